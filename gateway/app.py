@@ -1,0 +1,138 @@
+"""The FastAPI app: OpenAI routes, health, readiness. Built by ``build_app(service)``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.errors import ErrorKind, TandemError, invalid
+from gateway.service import Service
+from gateway.streaming import ClientGone, sse_body, until_disconnect
+
+logger = logging.getLogger(__name__)
+
+
+def error_response(err: TandemError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(err.envelope(), status_code=err.status, headers=headers)
+
+
+async def _read_json(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise invalid(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+async def _generate(request: Request, service: Service, route: str) -> Response:
+    body = await _read_json(request)
+    pool = service.router.pool(body.get("model"))
+    replica = pool.acquire()
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            pool.release(replica)
+
+    request_id = f"{route}-{uuid.uuid4().hex}"
+    items = replica.handle.generate(route, body, request_id)
+    try:
+        first = await until_disconnect(request, anext(items))
+    except ClientGone:
+        logger.info("client went away before %s was answered; aborted", request_id)
+        await items.aclose()
+        release()
+        return Response(status_code=499)
+    except StopAsyncIteration:
+        release()
+        raise TandemError(ErrorKind.ENGINE_ERROR, "the engine returned nothing") from None
+    except BaseException:
+        await items.aclose()
+        release()
+        raise
+    if isinstance(first, str):
+        return StreamingResponse(sse_body(first, items, release), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+    await items.aclose()
+    release()
+    if isinstance(first, TandemError):
+        raise first
+    return JSONResponse(first, headers={"X-Request-Id": request_id})
+
+
+def build_app(service: Service) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="tandem", version="0.1.0", lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(TandemError)
+    async def _tandem_error(request: Request, exc: TandemError):
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = {404: ErrorKind.NOT_FOUND, 405: ErrorKind.METHOD_NOT_ALLOWED}.get(exc.status_code)
+        if kind is None:
+            return JSONResponse({"error": {"message": str(exc.detail), "type": "invalid_request_error",
+                                           "param": None, "code": exc.status_code}}, status_code=exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(TandemError(kind, message))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in first["loc"] if p != "body"]
+        return error_response(invalid(f"{'.'.join(loc) or 'body'}: {first['msg']}", loc[0] if loc else None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(TandemError(ErrorKind.INTERNAL, "internal server error"))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, service, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, service, "completions")
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [service.model_card(name) for name in service.router.pools]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict:
+        service.router.pool(model_id)  # 404 in the envelope if unknown
+        return service.model_card(model_id)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "uptime_s": round(time.monotonic() - service.started_at, 1)}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        status = service.readiness()
+        return JSONResponse(status, status_code=200 if status["ready"] else 503)
+
+    return app

@@ -1,0 +1,104 @@
+"""The ``tandem`` command: serve, build-tiny-models, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from gateway.config import DEFAULT_CONFIG, ConfigError, load_config
+
+logger = logging.getLogger("tandem")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(f"tandem: {e}", file=sys.stderr)
+        return 2
+    gw = config.gateway.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
+    config = config.model_copy(update={"gateway": gw})
+
+    from gateway.app import build_app
+    from gateway.service import Service
+    from workers.deployment import RayDeployment
+
+    logger.info("config %s: %d model(s): %s", args.config or DEFAULT_CONFIG, len(config.models),
+                ", ".join(f"{m.name} ({m.kind.value}, {m.replicas} replica(s))" for m in config.models))
+    service = Service(config, RayDeployment(config))
+    app = build_app(service)
+    logger.info("tandem listening on http://%s:%d/v1 (models load in the background; GET /ready)",
+                gw.host, gw.port)
+    uvicorn.run(app, host=gw.host, port=gw.port, log_level=args.log_level.lower(),
+                access_log=args.access_log, timeout_graceful_shutdown=30)
+    return 0
+
+
+def cmd_build_tiny_models(args: argparse.Namespace) -> int:
+    from workers import tiny_models
+
+    out = Path(args.out) if args.out else tiny_models.DEFAULT_DIR
+    for path in tiny_models.build_all(out, force=args.force):
+        print(path)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from gateway.bench import main as bench_main
+
+    return bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem",
+        description="One OpenAI-compatible gateway for autoregressive (vLLM) and block-diffusion LLMs, on Ray.",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="log verbosity (default: info)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="serve the configured models over the OpenAI API",
+                           description="Serve the models of a config file at http://HOST:PORT/v1. Without "
+                                       "--config, serves configs/default.yaml: the built-in tiny models "
+                                       "(built on first use), on a local Ray, offline.")
+    serve.add_argument("--config", metavar="FILE", help=f"YAML config (default: {DEFAULT_CONFIG})")
+    serve.add_argument("--host", help="bind address (overrides gateway.host)")
+    serve.add_argument("--port", type=int, help="port (overrides gateway.port)")
+    serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    serve.set_defaults(func=cmd_serve)
+
+    build = sub.add_parser("build-tiny-models", help="build the built-in tiny models (random weights)",
+                           description="Build the built-in tiny models deterministically (fixed seed, a BPE "
+                                       "trained on text shipped in the repo). `serve` does this when missing.")
+    build.add_argument("--out", metavar="DIR", help="output directory (default: ./models in the repo)")
+    build.add_argument("--force", action="store_true", help="rebuild even if an up-to-date build exists")
+    build.set_defaults(func=cmd_build_tiny_models)
+
+    from gateway.bench import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="benchmark tandem against its peer on the same machine",
+                           description="Run the same streaming chat load against tandem and `vllm serve` "
+                                       "on the same tiny model, in one run, and print the ratios.")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

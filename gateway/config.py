@@ -1,0 +1,129 @@
+"""tandem's configuration: one YAML file, validated with pydantic when it is loaded.
+
+``load_config`` is the only entry point; a bad file raises ``ConfigError`` whose message
+names the file, the field and the reason.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+BUILTIN_PREFIX = "builtin:"
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be used; the message is meant for the operator."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelKind(str, Enum):
+    AUTOREGRESSIVE = "autoregressive"
+    DIFFUSION = "diffusion"
+
+
+class Resources(_Strict):
+    num_gpus: float = Field(1, ge=0, description="GPUs each replica holds (Ray resource).")
+    num_cpus: float = Field(1, ge=0, description="CPUs each replica holds (Ray resource).")
+
+
+class ModelConfig(_Strict):
+    name: str = Field(min_length=1, description="The `model` clients ask for.")
+    kind: ModelKind = Field(description="autoregressive (vLLM) or diffusion (tandem's batcher).")
+    source: str = Field(
+        min_length=1,
+        description="A local path, a Hugging Face id, or `builtin:<name>` for a built-in tiny model.",
+    )
+    replicas: int = Field(1, ge=1, description="Ray actors to run, one per GPU.")
+    resources: Resources = Field(default_factory=Resources, description="Per-replica Ray resources.")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to the engine unchanged (vLLM's engine and serving args)."
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables for the replica's process.")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_clean(cls, v: str) -> str:
+        if v != v.strip() or v.startswith("/"):
+            raise ValueError("must not start with '/' or carry surrounding spaces")
+        return v
+
+    def is_builtin(self) -> bool:
+        return self.source.startswith(BUILTIN_PREFIX)
+
+    def builtin_name(self) -> str:
+        return self.source[len(BUILTIN_PREFIX) :]
+
+
+class GatewayConfig(_Strict):
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(8000, ge=0, le=65535, description="Port the HTTP server binds (0: any free port).")
+    request_timeout_s: float = Field(600, gt=0, description="A request that runs longer is ended with an error.")
+    health_interval_s: float = Field(5, gt=0, description="Seconds between replica health checks.")
+
+
+class RayConfig(_Strict):
+    address: str | None = Field(
+        None, description="Absent: start a local Ray. `auto` or an address: join that cluster."
+    )
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of a local Ray (default: enough for every replica).")
+
+
+class TandemConfig(_Strict):
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    models: list[ModelConfig] = Field(min_length=1, description="The models to serve.")
+    models_dir: Path = Field(REPO_ROOT / "models", description="Where built-in tiny models are built.")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "TandemConfig":
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+def _format_errors(path: Path, err: ValidationError) -> str:
+    lines = [f"{path}: invalid configuration"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"  {loc}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, path: Path = Path("<config>")) -> TandemConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        cfg = TandemConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(path, e)) from None
+    if not cfg.models_dir.is_absolute():
+        cfg = cfg.model_copy(update={"models_dir": (path.parent / cfg.models_dir).resolve()})
+    return cfg
+
+
+def load_config(path: str | Path | None = None) -> TandemConfig:
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return parse_config(data, path)

@@ -1,0 +1,97 @@
+"""The one error taxonomy of tandem and the one table that maps it to HTTP.
+
+Engines and workers raise or return these as *values* (they cross the Ray actor boundary
+pickled); the gateway turns them into HTTP exactly once, here. Every error leaves in the
+OpenAI envelope ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+
+
+class ErrorKind(str, Enum):
+    INVALID_REQUEST = "invalid_request"  # malformed JSON, failed validation, bad value
+    CONTEXT_TOO_LONG = "context_too_long"  # prompt (+ max_tokens) over the model's context
+    MODEL_NOT_FOUND = "model_not_found"
+    NOT_FOUND = "not_found"  # unknown route
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    OVERLOADED = "overloaded"
+    NO_REPLICA = "no_replica"  # the model has no live replica
+    ENGINE_ERROR = "engine_error"  # this request failed inside the engine
+    ENGINE_DEAD = "engine_dead"  # the replica itself is gone
+    INTERNAL = "internal"
+
+
+# kind -> (HTTP status, OpenAI error "type")
+STATUS_TABLE: dict[ErrorKind, tuple[int, str]] = {
+    ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorKind.CONTEXT_TOO_LONG: (400, "invalid_request_error"),
+    ErrorKind.MODEL_NOT_FOUND: (404, "not_found_error"),
+    ErrorKind.NOT_FOUND: (404, "not_found_error"),
+    ErrorKind.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
+    ErrorKind.OVERLOADED: (429, "rate_limit_error"),
+    ErrorKind.NO_REPLICA: (503, "service_unavailable_error"),
+    ErrorKind.ENGINE_ERROR: (500, "server_error"),
+    ErrorKind.ENGINE_DEAD: (500, "server_error"),
+    ErrorKind.INTERNAL: (500, "server_error"),
+}
+
+# OpenAI "code" strings for the kinds that have a well-known one.
+_CODES = {
+    ErrorKind.CONTEXT_TOO_LONG: "context_length_exceeded",
+    ErrorKind.MODEL_NOT_FOUND: "model_not_found",
+}
+
+
+class TandemError(Exception):
+    """An error meant for the client. Safe to pickle across the actor boundary."""
+
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None):
+        super().__init__(kind, message, param)
+        self.kind = kind
+        self.message = message
+        self.param = param
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        return f"TandemError({self.kind.value}, {self.message!r}, param={self.param!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TandemError) and self.args == other.args
+
+    __hash__ = Exception.__hash__
+
+    @property
+    def status(self) -> int:
+        return STATUS_TABLE[self.kind][0]
+
+    def envelope(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": STATUS_TABLE[self.kind][1],
+                "param": self.param,
+                "code": _CODES.get(self.kind, self.status),
+            }
+        }
+
+    def sse(self) -> str:
+        """The last event of a stream that failed after it began (followed by [DONE])."""
+        return f"data: {json.dumps(self.envelope())}\n\n"
+
+
+def kind_for_status(status: int) -> ErrorKind:
+    """Map an engine's own HTTP-ish status (e.g. vLLM's ErrorResponse.code) to a kind."""
+    if status == 404:
+        return ErrorKind.MODEL_NOT_FOUND
+    if 400 <= status < 500:
+        return ErrorKind.INVALID_REQUEST
+    return ErrorKind.ENGINE_ERROR
+
+
+def invalid(message: str, param: str | None = None) -> TandemError:
+    return TandemError(ErrorKind.INVALID_REQUEST, message, param)

@@ -1,0 +1,126 @@
+"""The gateway's running state: the router, the replicas, their start-up and health loop.
+
+How replicas come to exist is injected (``Deployment``): Ray actors in production
+(``workers.deployment.RayDeployment``), in-process engines in unit tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Protocol
+
+from gateway.config import ModelConfig, TandemConfig
+from gateway.replicas import Replica, ReplicaState
+from gateway.router import ModelPool, Router
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 15.0
+UNHEALTHY_AFTER = 2  # consecutive failed health checks
+
+
+class Deployment(Protocol):
+    def create_replicas(self, model: ModelConfig) -> list[Replica]:
+        """Create (not start) the replicas of one model; called once per model at start-up."""
+
+    def close(self) -> None:
+        """Release everything the deployment holds (actors, the Ray connection)."""
+
+
+class Service:
+    def __init__(self, config: TandemConfig, deployment: Deployment):
+        self.config = config
+        self.deployment = deployment
+        self.router = Router([ModelPool(m.name, m.kind.value) for m in config.models])
+        self.started_at = time.monotonic()
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        """Create every replica and start them in the background; /ready says when they serve."""
+        self.started_at = time.monotonic()
+        for model in self.config.models:
+            pool = self.router.pools[model.name]
+            pool.replicas = self.deployment.create_replicas(model)
+            for replica in pool.replicas:
+                self._tasks.append(asyncio.create_task(self._start_replica(replica)))
+        self._tasks.append(asyncio.create_task(self._health_loop()))
+
+    async def _start_replica(self, replica: Replica) -> None:
+        t0 = time.monotonic()
+        logger.info("replica %s: loading %s", replica.id, replica.model)
+        start = asyncio.ensure_future(replica.handle.start())
+        while True:
+            done, _ = await asyncio.wait({start}, timeout=PROGRESS_EVERY_S)
+            if done:
+                break
+            logger.info("replica %s: still loading (%.0f s)", replica.id, time.monotonic() - t0)
+        try:
+            replica.info = start.result()
+        except Exception as e:  # noqa: BLE001 - reported in /ready and the log
+            replica.state = ReplicaState.FAILED
+            replica.last_error = f"{type(e).__name__}: {e}"
+            logger.error("replica %s: failed to start: %s", replica.id, replica.last_error)
+            return
+        replica.state = ReplicaState.HEALTHY
+        logger.info("replica %s: ready in %.1f s", replica.id, time.monotonic() - t0)
+        if self.router.ready():
+            logger.info("all models ready: %s", ", ".join(self.router.pools))
+
+    async def _health_loop(self) -> None:
+        interval = self.config.gateway.health_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            checks = [self._check(r) for r in self.router.all_replicas()
+                      if r.state in (ReplicaState.HEALTHY, ReplicaState.UNHEALTHY)]
+            await asyncio.gather(*checks)
+
+    async def _check(self, replica: Replica) -> None:
+        try:
+            await asyncio.wait_for(replica.handle.check_health(), timeout=self.config.gateway.health_interval_s)
+        except Exception as e:  # noqa: BLE001 - any failure counts
+            replica.consecutive_failures += 1
+            replica.last_error = f"health check: {type(e).__name__}: {e}"
+            if replica.consecutive_failures >= UNHEALTHY_AFTER and replica.state is ReplicaState.HEALTHY:
+                replica.state = ReplicaState.UNHEALTHY
+                logger.warning("replica %s: unhealthy (%s)", replica.id, replica.last_error)
+            return
+        if replica.state is ReplicaState.UNHEALTHY:
+            logger.info("replica %s: healthy again", replica.id)
+        replica.consecutive_failures = 0
+        replica.state = ReplicaState.HEALTHY
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        replicas = [r for r in self.router.all_replicas() if r.state is not ReplicaState.FAILED]
+        results = await asyncio.gather(
+            *(asyncio.wait_for(r.handle.shutdown(), timeout=30) for r in replicas), return_exceptions=True)
+        for r, res in zip(replicas, results):
+            if isinstance(res, BaseException):
+                logger.warning("replica %s: shutdown: %s", r.id, res)
+        self.deployment.close()
+
+    def model_card(self, name: str) -> dict:
+        pool = self.router.pools[name]
+        info = next((r.info for r in pool.replicas if r.info is not None), None)
+        return {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tandem",
+            "kind": pool.kind,
+            "max_model_len": info.max_model_len if info else None,
+            "replicas": {"total": len(pool.replicas), "healthy": len(pool.healthy())},
+        }
+
+    def readiness(self) -> dict:
+        models = {}
+        for name, pool in self.router.pools.items():
+            models[name] = {
+                "ready": bool(pool.healthy()),
+                "replicas": [{"id": r.id, "state": r.state.value, "error": r.last_error} for r in pool.replicas],
+            }
+        return {"ready": all(m["ready"] for m in models.values()), "models": models}

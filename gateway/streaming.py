@@ -1,0 +1,93 @@
+"""SSE framing and client-disconnect handling for the OpenAI routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from gateway.errors import ErrorKind, TandemError
+from workers.protocol import DONE
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` unless the client disconnects first (then cancel it, raise ClientGone).
+
+    Races the work against ``http.disconnect`` instead of polling. Call only after the body
+    has been read: every message received here is then a disconnect.
+    """
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    try:
+        await work
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - it is being abandoned
+        pass
+    raise ClientGone()
+
+
+async def _wait_disconnect(receive: Callable) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def sse_body(first: str, rest: AsyncIterator, on_close: Callable[[], None]) -> AsyncIterator[str]:
+    """The body of a streaming response: engine SSE text, always ending in ``[DONE]``.
+
+    A failure after the stream began (replica died, engine error) becomes an error event and
+    ``[DONE]``; a stream that ends without ``[DONE]`` gets an error event too. Never a bare stop.
+    """
+    ended = first.endswith(DONE)
+    try:
+        yield first
+        if ended:
+            return
+        async for chunk in rest:
+            if isinstance(chunk, TandemError):  # an engine must not do this mid-stream; be safe
+                yield chunk.sse() + DONE
+                return
+            if not isinstance(chunk, str):
+                logger.error("bug: non-SSE item %r in a stream", type(chunk).__name__)
+                continue
+            yield chunk
+            if chunk.endswith(DONE):
+                return
+        yield TandemError(ErrorKind.ENGINE_ERROR, "the stream ended unexpectedly").sse() + DONE
+    except TandemError as e:
+        yield e.sse() + DONE
+    except Exception:  # noqa: BLE001 - the client must get an ending
+        logger.exception("stream failed")
+        yield TandemError(ErrorKind.INTERNAL, "internal error while streaming").sse() + DONE
+    finally:
+        await _close(rest)
+        on_close()
+
+
+async def _close(it: AsyncIterator) -> None:
+    aclose = getattr(it, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:  # noqa: BLE001
+            logger.exception("closing a replica stream failed")

@@ -1,0 +1,71 @@
+"""Create replicas as Ray actors, one per replica, each holding its declared resources."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from gateway.config import ModelConfig, TandemConfig
+from gateway.replicas import RayReplicaHandle, Replica
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_source(model: ModelConfig, models_dir: Path) -> str:
+    """A built-in name becomes its built directory (built now if missing); others pass as-is."""
+    if not model.is_builtin():
+        return model.source
+    from workers import tiny_models
+
+    return str(tiny_models.build(model.builtin_name(), models_dir))
+
+
+def local_ray_cpus(config: TandemConfig) -> int:
+    needed = sum(m.replicas * m.resources.num_cpus for m in config.models)
+    return max(int(needed + 0.999), os.cpu_count() or 1)
+
+
+class RayDeployment:
+    def __init__(self, config: TandemConfig, engine_key: str | None = None):
+        import ray
+
+        self.config = config
+        self.engine_key = engine_key  # tests: force an engine (e.g. "fake")
+        self._actors: list = []
+        if not ray.is_initialized():
+            if config.ray.address:
+                logger.info("joining the Ray cluster at %s", config.ray.address)
+                ray.init(address=config.ray.address, namespace="tandem")
+            else:
+                cpus = config.ray.num_cpus or local_ray_cpus(config)
+                logger.info("starting a local Ray (%d CPUs)", cpus)
+                ray.init(num_cpus=cpus, include_dashboard=False, namespace="tandem")
+
+    def create_replicas(self, model: ModelConfig) -> list[Replica]:
+        import ray
+
+        from workers.actor import EngineActor
+
+        source = resolve_source(model, self.config.models_dir)
+        remote_cls = ray.remote(EngineActor)
+        replicas = []
+        for i in range(model.replicas):
+            rid = f"{model.name}/{i}"
+            options = {"num_cpus": model.resources.num_cpus, "num_gpus": model.resources.num_gpus}
+            if model.env:
+                options["runtime_env"] = {"env_vars": dict(model.env)}
+            actor = remote_cls.options(**options).remote(model.model_dump(mode="json"), source, rid, self.engine_key)
+            self._actors.append(actor)
+            replicas.append(Replica(id=rid, model=model.name, handle=RayReplicaHandle(actor)))
+        return replicas
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self._actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self._actors.clear()

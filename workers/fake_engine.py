@@ -1,0 +1,117 @@
+"""A fake engine for unit tests: OpenAI-shaped answers, no model.
+
+Told through ``engine_args`` (or attributes) to be slow (``token_delay_s``), to fail
+(``fail``: "start", "request", "midstream"), or to hang (``hang``: true).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gateway.errors import ErrorKind, TandemError, invalid
+from workers.protocol import DONE, EngineInfo, EngineStats, Item
+
+
+class FakeEngine:
+    def __init__(self, model: str, engine_args: dict[str, Any] | None = None):
+        args = dict(engine_args or {})
+        self.model = model
+        self.num_tokens: int = args.get("num_tokens", 4)
+        self.token_delay_s: float = args.get("token_delay_s", 0.0)
+        self.fail: str | None = args.get("fail")
+        self.hang: bool = args.get("hang", False)
+        self.max_model_len: int = args.get("max_model_len", 64)
+        self.running: set[str] = set()
+        self.aborted: list[str] = []
+
+    async def start(self) -> EngineInfo:
+        if self.fail == "start":
+            raise RuntimeError("fake engine told to fail at start")
+        return EngineInfo(model=self.model, kind="fake", max_model_len=self.max_model_len)
+
+    def chat(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            return _one(invalid("messages: must be a non-empty list", param="messages"))
+        prompt = " ".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+        return self._generate(body, request_id, prompt, chat=True)
+
+    def completions(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        if not isinstance(body.get("prompt"), str):
+            return _one(invalid("prompt: must be a string", param="prompt"))
+        return self._generate(body, request_id, body["prompt"], chat=False)
+
+    async def _generate(self, body: dict, rid: str, prompt: str, chat: bool) -> AsyncIterator[Item]:
+        n_prompt = len(prompt.split())
+        if n_prompt > self.max_model_len:
+            yield TandemError(ErrorKind.CONTEXT_TOO_LONG, "prompt too long", "messages" if chat else "prompt")
+            return
+        max_tokens = body.get("max_tokens") or self.num_tokens
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            yield invalid("max_tokens must be at least 1", param="max_tokens")
+            return
+        n = min(max_tokens, self.num_tokens)
+        finish = "length" if max_tokens <= self.num_tokens else "stop"
+        self.running.add(rid)
+        try:
+            if self.fail == "request":
+                raise RuntimeError("fake engine told to fail")
+            words = [f"tok{i}" for i in range(n)]
+            if body.get("stream"):
+                for i, w in enumerate(words):
+                    if self.hang:
+                        await asyncio.Event().wait()
+                    await asyncio.sleep(self.token_delay_s)
+                    if self.fail == "midstream" and i == 1:
+                        raise RuntimeError("fake engine failed mid-stream")
+                    yield _chunk(rid, self.model, chat, w + " ", None)
+                yield _chunk(rid, self.model, chat, "", finish)
+                yield DONE
+            else:
+                if self.hang:
+                    await asyncio.Event().wait()
+                await asyncio.sleep(self.token_delay_s * n)
+                text = " ".join(words)
+                choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                          if chat else {"index": 0, "text": text, "finish_reason": finish})
+                yield {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                       "created": int(time.time()), "model": self.model, "choices": [choice],
+                       "usage": {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}}
+        except asyncio.CancelledError:
+            self.aborted.append(rid)
+            raise
+        finally:
+            self.running.discard(rid)
+
+    async def abort(self, request_id: str) -> bool:
+        return request_id in self.running
+
+    async def check_health(self) -> None:
+        if self.hang:
+            await asyncio.Event().wait()
+
+    async def stats(self) -> EngineStats:
+        return EngineStats(running=len(self.running))
+
+    async def shutdown(self) -> None:
+        self.running.clear()
+
+
+def _chunk(rid: str, model: str, chat: bool, text: str, finish: str | None) -> str:
+    choice = ({"index": 0, "delta": {"content": text}, "finish_reason": finish} if chat
+              else {"index": 0, "text": text, "finish_reason": finish})
+    obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+           "created": int(time.time()), "model": model, "choices": [choice]}
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _one(item: Item) -> AsyncIterator[Item]:
+    yield item
+
+
+def create_engine(cfg, source_path: str) -> FakeEngine:
+    """The ``fake`` entry in ``workers.registry``."""
+    return FakeEngine(cfg.name, cfg.engine_args)

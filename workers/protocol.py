@@ -1,0 +1,68 @@
+"""The engine protocol: what every engine (vLLM, the diffusion batcher, the fake) implements.
+
+An engine lives inside a worker (a Ray actor, or in-process in unit tests). The gateway never
+sees an engine directly; it talks to the actor shell in ``workers/actor.py``.
+
+What ``chat``/``completions`` yield (``Item``), in order:
+- a ``TandemError``: the request failed before it produced output (exactly one item); or
+- a ``dict``: the whole body of a non-streaming response (exactly one item); or
+- ``str`` SSE text (``"data: {...}\\n\\n"``, one or more events each) for a streaming request,
+  the last one ending in ``"data: [DONE]\\n\\n"``. A failure after the stream began is an error
+  event followed by ``[DONE]``, never a bare stop.
+Cancelling the iterator (client gone) aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, Union, runtime_checkable
+
+from gateway.errors import TandemError
+
+Route = Literal["chat", "completions"]
+Item = Union[TandemError, dict, str]
+DONE = "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the gateway needs to know about a started engine (shown in /v1/models)."""
+
+    model: str
+    kind: str
+    max_model_len: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's own view of its work."""
+
+    running: int  # requests the engine holds (scheduled or waiting inside the engine)
+    waiting: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    async def start(self) -> EngineInfo:
+        """Called once, before any request. Loads the model; returns when it can serve."""
+
+    def chat(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        """Serve one OpenAI chat completion request (the raw JSON body)."""
+
+    def completions(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        """Serve one OpenAI completion request (the raw JSON body)."""
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request the engine holds; False if it holds none of that id."""
+
+    async def check_health(self) -> None:
+        """Return if the engine can serve; raise if it cannot (the replica is then unhealthy)."""
+
+    async def stats(self) -> EngineStats:
+        """The engine's own counters, read without side effects."""
+
+    async def shutdown(self) -> None:
+        """Release the model and every process the engine started."""

@@ -1,0 +1,50 @@
+"""Engines register by kind (and, for diffusion, by model family).
+
+Third-party engines register through the ``tandem.engines`` entry-point group: the entry
+point's name is ``<kind>`` or ``<kind>:<family>`` and its value a factory
+``(ModelConfig, source_path: str) -> Engine``. A new family is one new module plus one
+entry point; neither the gateway nor the schedulers change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib import import_module
+from importlib.metadata import entry_points
+
+from gateway.config import ModelConfig
+from workers.protocol import Engine
+
+Factory = Callable[[ModelConfig, str], Engine]
+
+# Built in; entry points may add to (or override) these.
+_BUILTIN: dict[str, str] = {
+    "autoregressive": "workers.vllm_engine:create_engine",
+    "fake": "workers.fake_engine:create_engine",
+}
+
+
+def _load(target: str) -> Factory:
+    module, _, attr = target.partition(":")
+    return getattr(import_module(module), attr)
+
+
+def available() -> dict[str, str]:
+    found = dict(_BUILTIN)
+    for ep in entry_points(group="tandem.engines"):
+        found[ep.name] = ep.value
+    return found
+
+
+def key_for(cfg: ModelConfig) -> str:
+    family = cfg.engine_args.get("family") if cfg.kind.value == "diffusion" else None
+    return f"{cfg.kind.value}:{family}" if family else cfg.kind.value
+
+
+def create_engine(cfg: ModelConfig, source_path: str, key: str | None = None) -> Engine:
+    """Build (not start) the engine for ``cfg``; raises KeyError naming what is known."""
+    key = key or key_for(cfg)
+    known = available()
+    if key not in known:
+        raise KeyError(f"no engine registered for {key!r}; registered: {sorted(known)}")
+    return _load(known[key])(cfg, source_path)

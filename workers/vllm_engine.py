@@ -1,0 +1,165 @@
+"""The autoregressive engine: vLLM's AsyncLLM behind vLLM's own OpenAI serving layer.
+
+tandem does not re-implement chat templates, tools, structured outputs, logprobs, ``n``,
+stop or seed: it builds vLLM's ``OpenAIServingChat``/``OpenAIServingCompletion`` exactly
+as ``vllm serve`` does (``init_app_state`` with vLLM's own argument defaults) and hands them
+the request body. Only the error shape is translated into tandem's taxonomy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from gateway.errors import ErrorKind, TandemError, invalid, kind_for_status
+from workers.protocol import EngineInfo, EngineStats, Item
+
+logger = logging.getLogger(__name__)
+
+_CONTEXT_MARKERS = ("maximum context length", "context length", "max_model_len", "too long")
+
+
+def build_vllm_args(model: str, source: str, engine_args: dict[str, Any]) -> argparse.Namespace:
+    """vLLM's own `serve` defaults, with ``engine_args`` applied on top unchanged.
+
+    Raises ValueError naming the first key vLLM does not know.
+    """
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="tandem-vllm"))
+    args = parser.parse_args(["--model", source, "--served-model-name", model])
+    for key, value in engine_args.items():
+        if not hasattr(args, key):
+            raise ValueError(f"engine_args.{key}: not a vLLM engine or serving argument")
+        setattr(args, key, value)
+    return args
+
+
+def _validation_error(err: ValidationError) -> TandemError:
+    first = err.errors()[0]
+    loc = [str(p) for p in first["loc"]]
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    return invalid(f"{where}: {first['msg']}", param=param)
+
+
+def _from_vllm_error(resp: Any) -> TandemError:
+    """vLLM's ErrorResponse -> TandemError (one place; the gateway maps kinds to HTTP)."""
+    info = resp.error
+    message = info.message
+    kind = kind_for_status(int(info.code))
+    if kind is ErrorKind.INVALID_REQUEST and any(m in message.lower() for m in _CONTEXT_MARKERS):
+        kind = ErrorKind.CONTEXT_TOO_LONG
+    return TandemError(kind, message, info.param)
+
+
+async def _once(item: Item) -> AsyncIterator[Item]:
+    yield item
+
+
+class VllmEngine:
+    """Implements ``workers.protocol.Engine`` with vLLM."""
+
+    def __init__(self, model: str, source: str, engine_args: dict[str, Any]):
+        self.model = model
+        self.source = source
+        self.engine_args = dict(engine_args)
+        self._llm = None
+        self._state = None
+
+    async def start(self) -> EngineInfo:
+        from starlette.datastructures import State
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = build_vllm_args(self.model, self.source, self.engine_args)
+        eargs = AsyncEngineArgs.from_cli_args(args)
+        vllm_config = eargs.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        self._llm = AsyncLLM.from_vllm_config(
+            vllm_config=vllm_config,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            enable_log_requests=eargs.enable_log_requests,
+            disable_log_stats=eargs.disable_log_stats,
+        )
+        supported = await self._llm.get_supported_tasks()
+        self._state = State()
+        await init_app_state(self._llm, self._state, args, supported)
+        return EngineInfo(
+            model=self.model,
+            kind="autoregressive",
+            max_model_len=self._llm.model_config.max_model_len,
+            extra={"source": self.source},
+        )
+
+    def chat(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        if body.get("messages") == []:
+            # vLLM says so too, but without naming the field.
+            return _once(invalid("messages: must contain at least one message", param="messages"))
+        return self._serve(body, request_id, ChatCompletionRequest, "messages",
+                           lambda r: self._state.openai_serving_chat.create_chat_completion(r, None))
+
+    def completions(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        return self._serve(body, request_id, CompletionRequest, "prompt",
+                           lambda r: self._state.openai_serving_completion.create_completion(r, None))
+
+    async def _serve(self, body: dict, request_id: str, request_cls, prompt_field: str, handle
+                     ) -> AsyncIterator[Item]:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+        try:
+            request = request_cls.model_validate({**body, "request_id": request_id})
+        except ValidationError as e:
+            yield _validation_error(e)
+            return
+        try:
+            result = await handle(request)
+        except Exception as e:  # noqa: BLE001 - vLLM raises some request errors; map them as its server does
+            result = create_error_response(e)
+        if isinstance(result, ErrorResponse):
+            err = _from_vllm_error(result)
+            if err.kind is ErrorKind.CONTEXT_TOO_LONG:
+                err = TandemError(err.kind, err.message, prompt_field)
+            yield err
+        elif isinstance(result, BaseModel):
+            yield result.model_dump(mode="json")
+        else:
+            async for chunk in result:
+                yield chunk
+
+    async def abort(self, request_id: str) -> bool:
+        # Requests are aborted by cancelling their iterator (vLLM aborts on CancelledError);
+        # the actor shell owns those tasks. Nothing engine-specific is needed here.
+        return False
+
+    async def check_health(self) -> None:
+        if self._llm is None:
+            raise RuntimeError("engine not started")
+        await self._llm.check_health()
+
+    async def stats(self) -> EngineStats:
+        if self._llm is None:
+            return EngineStats(running=0)
+        running = self._llm.output_processor.get_num_unfinished_requests()
+        return EngineStats(running=running)
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+
+def create_engine(cfg, source_path: str) -> VllmEngine:
+    """The ``autoregressive`` entry in ``workers.registry``."""
+    return VllmEngine(cfg.name, source_path, cfg.engine_args)
