@@ -126,6 +126,11 @@ def build_app(service: Service) -> FastAPI:
         service.router.pool(model_id)  # 404 in the envelope if unknown
         return service.model_card(model_id)
 
+    @app.get("/admin/replicas")
+    async def replicas() -> dict:
+        """Each replica's state and its engine's own counters (running requests...)."""
+        return {"replicas": await service.replica_stats()}
+
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "uptime_s": round(time.monotonic() - service.started_at, 1)}

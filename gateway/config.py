@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
@@ -84,13 +84,14 @@ class TandemConfig(_Strict):
     models: list[ModelConfig] = Field(min_length=1, description="The models to serve.")
     models_dir: Path = Field(REPO_ROOT / "models", description="Where built-in tiny models are built.")
 
-    @model_validator(mode="after")
-    def _unique_names(self) -> "TandemConfig":
-        names = [m.name for m in self.models]
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        names = [m.name for m in models]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
-        return self
+        return models
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)

@@ -116,6 +116,21 @@ class Service:
             "replicas": {"total": len(pool.replicas), "healthy": len(pool.healthy())},
         }
 
+    async def replica_stats(self) -> list[dict]:
+        replicas = self.router.all_replicas()
+
+        async def one(r: Replica) -> dict:
+            row = {"id": r.id, "model": r.model, "state": r.state.value, "outstanding": r.outstanding}
+            if r.state in (ReplicaState.HEALTHY, ReplicaState.UNHEALTHY):
+                try:
+                    s = await asyncio.wait_for(r.handle.stats(), timeout=5)
+                    row["engine"] = {"running": s.running, "waiting": s.waiting, **s.extra}
+                except Exception as e:  # noqa: BLE001 - reported, not raised
+                    row["engine_error"] = f"{type(e).__name__}: {e}"
+            return row
+
+        return list(await asyncio.gather(*(one(r) for r in replicas)))
+
     def readiness(self) -> dict:
         models = {}
         for name, pool in self.router.pools.items():

@@ -27,6 +27,7 @@ class FakeEngine:
         self.max_model_len: int = args.get("max_model_len", 64)
         self.running: set[str] = set()
         self.aborted: list[str] = []
+        self.served: list[str] = []
 
     async def start(self) -> EngineInfo:
         if self.fail == "start":
@@ -49,13 +50,14 @@ class FakeEngine:
         if n_prompt > self.max_model_len:
             yield TandemError(ErrorKind.CONTEXT_TOO_LONG, "prompt too long", "messages" if chat else "prompt")
             return
-        max_tokens = body.get("max_tokens") or self.num_tokens
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        max_tokens = body.get("max_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             yield invalid("max_tokens must be at least 1", param="max_tokens")
             return
-        n = min(max_tokens, self.num_tokens)
-        finish = "length" if max_tokens <= self.num_tokens else "stop"
+        n = self.num_tokens if max_tokens is None else min(max_tokens, self.num_tokens)
+        finish = "length" if max_tokens is not None and max_tokens <= self.num_tokens else "stop"
         self.running.add(rid)
+        self.served.append(rid)
         try:
             if self.fail == "request":
                 raise RuntimeError("fake engine told to fail")
@@ -115,3 +117,25 @@ async def _one(item: Item) -> AsyncIterator[Item]:
 def create_engine(cfg, source_path: str) -> FakeEngine:
     """The ``fake`` entry in ``workers.registry``."""
     return FakeEngine(cfg.name, cfg.engine_args)
+
+
+class FakeDeployment:
+    """In-process replicas around FakeEngines (unit tests of the gateway; no Ray)."""
+
+    def __init__(self, engine_args: dict[str, Any] | None = None):
+        self.engine_args = engine_args
+        self.engines: dict[str, FakeEngine] = {}
+
+    def create_replicas(self, model) -> list:
+        from gateway.replicas import LocalReplicaHandle, Replica
+
+        out = []
+        for i in range(model.replicas):
+            rid = f"{model.name}/{i}"
+            engine = FakeEngine(model.name, self.engine_args if self.engine_args is not None else model.engine_args)
+            self.engines[rid] = engine
+            out.append(Replica(id=rid, model=model.name, handle=LocalReplicaHandle(engine)))
+        return out
+
+    def close(self) -> None:
+        self.engines.clear()

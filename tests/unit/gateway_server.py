@@ -1,0 +1,46 @@
+"""Run the real gateway app (uvicorn, real sockets) around fake engines, in a thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import uvicorn
+
+from gateway.app import build_app
+from gateway.config import parse_config
+from gateway.service import Service
+from workers.fake_engine import FakeDeployment
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def fake_gateway(engine_args: dict | None = None, replicas: int = 1, models: tuple[str, ...] = ("fake",)):
+    port = free_port()
+    config = parse_config({
+        "gateway": {"port": port, "health_interval_s": 0.2},
+        "models": [{"name": m, "kind": "autoregressive", "source": "none", "replicas": replicas} for m in models],
+    })
+    deployment = FakeDeployment(engine_args or {})
+    service = Service(config, deployment)
+    server = uvicorn.Server(uvicorn.Config(build_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    while not service.router.ready() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert service.router.ready(), "fake gateway did not become ready"
+    try:
+        yield f"http://127.0.0.1:{port}", service, deployment
+    finally:
+        server.should_exit = True
+        thread.join(10)

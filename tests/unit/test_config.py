@@ -1,0 +1,61 @@
+import pytest
+
+from gateway.config import ConfigError, load_config, parse_config
+
+GOOD = {"models": [{"name": "m", "kind": "autoregressive", "source": "builtin:tiny-llama"}]}
+
+
+def test_default_config_loads_and_names_the_tiny_model():
+    cfg = load_config()
+    assert [m.name for m in cfg.models] == ["tiny-llama"]
+    assert cfg.models[0].is_builtin() and cfg.models[0].builtin_name() == "tiny-llama"
+    assert cfg.ray.address is None
+
+
+def test_defaults_are_one_gpu_per_replica():
+    m = parse_config(GOOD).models[0]
+    assert (m.replicas, m.resources.num_gpus, m.resources.num_cpus) == (1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "data, field, reason",
+    [
+        ({"models": []}, "models", "at least 1"),
+        ({"models": [{"name": "m", "kind": "nope", "source": "x"}]}, "models.0.kind", "autoregressive"),
+        ({"models": [{"name": "m", "kind": "diffusion", "source": "x", "replicas": 0}]}, "models.0.replicas", "greater than or equal to 1"),
+        ({"models": [{"name": "m", "kind": "diffusion", "source": "x", "typo": 1}]}, "models.0.typo", "Extra inputs"),
+        ({**GOOD, "gateway": {"port": 70000}}, "gateway.port", "less than or equal"),
+        ({"models": GOOD["models"] * 2}, "models", "unique"),
+        ({"models": [{"kind": "diffusion", "source": "x"}]}, "models.0.name", "Field required"),
+    ],
+)
+def test_invalid_config_names_file_field_and_reason(tmp_path, data, field, reason):
+    import yaml
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert str(path) in msg and field in msg and reason in msg, msg
+
+
+def test_unreadable_and_non_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "x.yaml"
+    bad.write_text("models: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- just a list\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(bad)
+
+
+def test_cli_exits_non_zero_on_a_bad_config(tmp_path, capsys):
+    from gateway.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: []\n")
+    assert main(["serve", "--config", str(bad)]) == 2
+    assert "models" in capsys.readouterr().err

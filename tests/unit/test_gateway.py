@@ -1,0 +1,137 @@
+"""The gateway app against fake engines: routing, the error envelope, streaming, disconnects."""
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.unit.gateway_server import fake_gateway
+
+
+@pytest.fixture(scope="module")
+def gw():
+    with fake_gateway({"num_tokens": 4}, replicas=2, models=("fake", "other")) as g:
+        yield g
+
+
+def _client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_and_completions_through_the_sdk(gw):
+    url, _, _ = gw
+    c = _client(url)
+    r = c.chat.completions.create(model="fake", messages=[{"role": "user", "content": "a b"}], max_tokens=3)
+    assert r.choices[0].message.content == "tok0 tok1 tok2" and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == 2
+    chunks = list(c.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}], stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "tok0 tok1 tok2 tok3 "
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert c.completions.create(model="fake", prompt="p", max_tokens=2).choices[0].text == "tok0 tok1"
+
+
+def test_models_list_and_get(gw):
+    url, _, _ = gw
+    c = _client(url)
+    assert sorted(m.id for m in c.models.list()) == ["fake", "other"]
+    assert c.models.retrieve("fake").owned_by == "tandem"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("missing")
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (b'{"messages": []}', 400, "model"),
+    (b'{"model": "missing", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
+    (b'{"model": "fake", "messages": []}', 400, "messages"),
+    (b'{"model": "fake", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', 400, "max_tokens"),
+    (b'{"model": "fake", "messages": [{"role": "user", "content": "' + b"w " * 100 + b'"}]}', 400, "messages"),
+])
+def test_bad_input_gets_the_envelope(gw, body, status, param):
+    url, _, _ = gw
+    r = httpx.post(url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+
+
+def test_unknown_route_and_method_are_enveloped(gw):
+    url, _, _ = gw
+    r = httpx.get(url + "/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(url + "/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_health_and_ready(gw):
+    url, _, _ = gw
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+    ready = httpx.get(url + "/ready")
+    assert ready.status_code == 200 and ready.json()["models"]["fake"]["ready"]
+
+
+def test_requests_spread_over_replicas():
+    with fake_gateway({"num_tokens": 2, "token_delay_s": 0.2}, replicas=2) as (url, service, dep):
+        import concurrent.futures as cf
+
+        def one(_):
+            return httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "p"}, timeout=10).status_code
+
+        with cf.ThreadPoolExecutor(4) as ex:
+            assert list(ex.map(one, range(4))) == [200] * 4
+        served = {rid: len(e.served) for rid, e in dep.engines.items()}
+        assert sorted(served.values()) == [2, 2], served  # least outstanding spreads them evenly
+        assert all(r.outstanding == 0 for r in service.router.all_replicas())
+
+
+def _wait(pred, timeout=2.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+def test_streaming_disconnect_aborts_within_a_second():
+    with fake_gateway({"num_tokens": 1000, "token_delay_s": 0.01}) as (url, service, dep):
+        engine = next(iter(dep.engines.values()))
+        with httpx.stream("POST", url + "/v1/chat/completions",
+                          json={"model": "fake", "messages": [{"role": "user", "content": "x"}], "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            assert engine.running
+        t0 = time.monotonic()
+        assert _wait(lambda: not engine.running, 1.0)
+        assert time.monotonic() - t0 < 1.0 and len(engine.aborted) == 1
+        assert _wait(lambda: service.router.all_replicas()[0].outstanding == 0)
+
+
+def test_non_streaming_disconnect_aborts_within_a_second():
+    with fake_gateway({"num_tokens": 1000, "token_delay_s": 0.01}) as (url, service, dep):
+        engine = next(iter(dep.engines.values()))
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "x"}, timeout=0.5)
+        assert _wait(lambda: not engine.running, 1.0)
+        assert engine.aborted and service.router.all_replicas()[0].outstanding == 0
+
+
+def test_midstream_failure_ends_with_error_event_then_done():
+    with fake_gateway({"num_tokens": 5, "fail": "midstream"}) as (url, _, _):
+        r = httpx.post(url + "/v1/chat/completions",
+                       json={"model": "fake", "messages": [{"role": "user", "content": "x"}], "stream": True})
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert "error" in json.loads(events[-2]) and "tok0" in events[0]
+
+
+def test_engine_failure_before_output_is_500_and_server_keeps_serving():
+    with fake_gateway({"fail": "request"}) as (url, _, _):
+        r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "x"})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "Traceback" not in r.text
+        assert httpx.get(url + "/health").status_code == 200
