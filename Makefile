@@ -1,0 +1,35 @@
+# tandem: `make serve` sets up and serves the built-in tiny models; `make test` sets up and tests.
+PYTHON ?= python3
+VENV   ?= .venv
+# GPU nodes: make setup EXTRAS=gpu,test
+EXTRAS ?= cpu,test
+BIN    := $(VENV)/bin
+
+.PHONY: setup models serve test unit bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	@# vllm pulls CUDA builds of these from PyPI; they break `import transformers` on CPU.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+models: setup
+	$(BIN)/tandem build-tiny-models
+
+serve: models
+	$(BIN)/tandem serve $(ARGS)
+
+test: models
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+unit: setup
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+bench: models
+	$(BIN)/tandem bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) models .pytest_cache

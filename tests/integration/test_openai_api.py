@@ -1,0 +1,100 @@
+"""The OpenAI API through the real stack (vLLM on tiny-llama in a Ray actor), via the openai SDK."""
+
+import pytest
+from transformers import AutoTokenizer
+
+MODEL = "tiny-llama"
+MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the river."}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(stack):
+    return AutoTokenizer.from_pretrained(stack.model_path)
+
+
+def test_models_list_shows_the_model_with_its_kind(stack):
+    models = stack.client().models.list().data
+    assert [m.id for m in models] == [MODEL]
+    card = models[0].model_dump()
+    assert card["kind"] == "autoregressive" and card["max_model_len"] == 512
+    assert stack.client().models.retrieve(MODEL).id == MODEL
+
+
+def test_chat_usage_equals_the_tokenizers_counts(stack, tokenizer):
+    r = stack.client().chat.completions.create(model=MODEL, messages=MSGS, max_tokens=7, temperature=0,
+                                               extra_body={"return_token_ids": True})
+    prompt_ids = tokenizer.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert r.usage.completion_tokens == 7 == len(r.choices[0].model_extra["token_ids"])
+    assert r.usage.total_tokens == len(prompt_ids) + 7
+    assert r.choices[0].finish_reason == "length"
+    # vLLM's detokenizer holds back a trailing incomplete UTF-8 sequence (shown as U+FFFD).
+    decoded = tokenizer.decode(r.choices[0].model_extra["token_ids"])
+    assert decoded.rstrip("\ufffd") == r.choices[0].message.content
+
+
+def test_completion_usage_equals_the_tokenizers_counts(stack, tokenizer):
+    prompt = "The library opens at nine and"
+    r = stack.client().completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    assert r.usage.prompt_tokens == len(tokenizer(prompt).input_ids)
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_streamed_equals_non_streamed_at_temperature_0(stack, route):
+    c = stack.client()
+    if route == "chat":
+        full = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=24, temperature=0)
+        chunks = list(c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=24, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        expected = full.choices[0].message.content
+    else:
+        full = c.completions.create(model=MODEL, prompt="Good software is", max_tokens=24, temperature=0)
+        chunks = list(c.completions.create(model=MODEL, prompt="Good software is", max_tokens=24, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}))
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        expected = full.choices[0].text
+    assert text == expected and len(text) > 0
+    assert len([ch for ch in chunks if ch.choices]) > 2  # it really streamed
+    assert chunks[-1].usage is not None and not chunks[-1].choices  # the usage chunk comes last
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+
+
+def test_n_2_gives_two_choices(stack):
+    r = stack.client().chat.completions.create(model=MODEL, messages=MSGS, n=2, max_tokens=6, temperature=1.0, seed=3)
+    assert sorted(ch.index for ch in r.choices) == [0, 1]
+    assert all(ch.finish_reason == "length" for ch in r.choices)
+    assert r.usage.completion_tokens == 12
+
+
+def test_stop_string_ends_with_finish_reason_stop(stack):
+    c = stack.client()
+    base = c.completions.create(model=MODEL, prompt="Question: What is", max_tokens=16, temperature=0,
+                                logprobs=0).choices[0]
+    tokens = base.logprobs.tokens
+    stop = next(t for t in tokens[3:] if t.strip())  # a later token with visible text
+    cut = base.text.index(stop)
+    r = c.completions.create(model=MODEL, prompt="Question: What is", max_tokens=16, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == base.text[:cut]
+
+
+def test_logprobs(stack):
+    r = stack.client().chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5, temperature=0,
+                                               logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for tok in content:
+        assert tok.logprob <= 0 and len(tok.top_logprobs) == 2
+        assert tok.top_logprobs[0].logprob >= tok.top_logprobs[1].logprob
+        assert tok.token == tok.top_logprobs[0].token  # greedy: the chosen one is the most likely
+
+
+def test_seeded_sampling_is_reproducible(stack):
+    c = stack.client()
+    a = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=12, temperature=1.0, seed=11)
+    b = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=12, temperature=1.0, seed=11)
+    assert a.choices[0].message.content == b.choices[0].message.content
