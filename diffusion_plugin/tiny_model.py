@@ -1,0 +1,116 @@
+"""A tiny random DiffusionGemma (``DiffusionGemmaForBlockDiffusion``) for tests and benchmarks.
+
+Why: the released checkpoint is 26B parameters; the block-diffusion batcher needs a model that
+exercises the same code paths (encoder prefill and commit passes into a hybrid sliding/full
+``DynamicCache``, bidirectional decoder passes over [cache | canvas], self-conditioning, the MoE
+block, the entropy-bound sampler) on any CPU, offline, in seconds. It generates nonsense.
+
+Everything is deterministic: the tokenizer is trained on the corpus shipped in ``workers/data``
+and the weights are drawn after ``torch.manual_seed(seed)``. Weights are float32 so that per-row
+re-implementations can be compared bit for bit with ``generate()``.
+
+Vocabulary: ``build_tokenizer`` yields 1024 ids. DiffusionGemma's config also carries
+``boi_token_id`` / ``eoi_token_id`` / ``image_token_id`` (defaults ~256k, outside a tiny vocab;
+``generate()`` compares the prompt against ``image_token_id``). Rather than alias them onto BPE
+ids, three extra special tokens are appended to the tokenizer (ids 1024, 1025, 1026) and the
+model's vocab_size is the tokenizer's new length, 1027, so every id the sampler can draw
+(canvas init and renoise draw uniformly over the whole vocab) decodes.
+
+``initializer_range`` is 0.2 (not 0.02): with tiny random weights at 0.02 every distribution is
+nearly uniform, so the sampler accepts one token a step and adaptive stopping never fires. At
+0.2 entropies vary across positions, several tokens get accepted per step, and both the
+stability/confidence stop and the full step budget occur, which is what tests need.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+EXTRA_SPECIAL_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+CANVAS_LENGTH = 32
+INITIALIZER_RANGE = 0.2
+
+
+def build_tiny_diffusiongemma(out: Path, seed: int = 0) -> None:
+    """Build a ~0.7M-parameter random DiffusionGemma into ``out`` (weights, tokenizer, generation config)."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        DiffusionGemmaConfig,
+        DiffusionGemmaForBlockDiffusion,
+        DiffusionGemmaTextConfig,
+        Gemma4VisionConfig,
+    )
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
+
+    from workers.tiny_models import SPECIAL_TOKENS, build_tokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    base_len = build_tokenizer(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.add_special_tokens({"extra_special_tokens": EXTRA_SPECIAL_TOKENS}, replace_extra_special_tokens=False)
+    tok.save_pretrained(out)
+    vocab = len(tok)
+    boi, eoi, image = tok.convert_tokens_to_ids(EXTRA_SPECIAL_TOKENS)
+    assert (boi, eoi, image) == (base_len, base_len + 1, base_len + 2), (boi, eoi, image, base_len)
+    ids = {t: SPECIAL_TOKENS.index(t) for t in SPECIAL_TOKENS}
+    assert tok.convert_tokens_to_ids(SPECIAL_TOKENS) == list(range(len(SPECIAL_TOKENS)))
+
+    text_config = DiffusionGemmaTextConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        global_head_dim=64,
+        sliding_window=64,
+        max_position_embeddings=4096,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=64,
+        initializer_range=INITIALIZER_RANGE,
+        pad_token_id=ids["<pad>"],
+        bos_token_id=ids["<s>"],
+        eos_token_id=ids["<|im_end|>"],
+    )
+    vision_config = Gemma4VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        patch_size=4,
+        pooling_kernel_size=2,
+        position_embedding_size=64,
+    )
+    config = DiffusionGemmaConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        boi_token_id=boi,
+        eoi_token_id=eoi,
+        image_token_id=image,
+        canvas_length=CANVAS_LENGTH,
+        initializer_range=INITIALIZER_RANGE,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = DiffusionGemmaForBlockDiffusion(config).to(torch.float32).eval()
+    # The defaults generate() would apply anyway, written out so the checkpoint is self-describing.
+    model.generation_config = DiffusionGemmaGenerationConfig(
+        max_new_tokens=256,
+        max_denoising_steps=48,
+        sampler_config={"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.1},
+        t_min=0.4,
+        t_max=0.8,
+        stability_threshold=1,
+        confidence_threshold=0.005,
+        bos_token_id=ids["<s>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<pad>"],
+    )
+    model.save_pretrained(out, safe_serialization=True)
