@@ -16,10 +16,12 @@ ids, three extra special tokens are appended to the tokenizer (ids 1024, 1025, 1
 model's vocab_size is the tokenizer's new length, 1027, so every id the sampler can draw
 (canvas init and renoise draw uniformly over the whole vocab) decodes.
 
-``initializer_range`` is 0.2 (not 0.02): with tiny random weights at 0.02 every distribution is
-nearly uniform, so the sampler accepts one token a step and adaptive stopping never fires. At
-0.2 entropies vary across positions, several tokens get accepted per step, and both the
-stability/confidence stop and the full step budget occur, which is what tests need.
+Weights: ``initializer_range`` 0.2 (not 0.02, where every distribution is near uniform), and the
+self-conditioning MLP's ``down_proj`` scaled by 0.1 after init (at full scale the random
+self-conditioning signal swamps the canvas embeddings and the argmax canvas never settles). Then
+at default settings ~12 tokens are accepted per step and blocks run all 48 steps, while at
+near-greedy temperatures (t_min=0.01, t_max=0.02) blocks stop early on the stable-and-confident
+rule after a few steps; outputs still depend on the prompt. Tests need both paths.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 EXTRA_SPECIAL_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 CANVAS_LENGTH = 32
 INITIALIZER_RANGE = 0.2
+SELF_CONDITIONING_SCALE = 0.1
 
 
 def build_tiny_diffusiongemma(out: Path, seed: int = 0) -> None:
@@ -100,6 +103,8 @@ def build_tiny_diffusiongemma(out: Path, seed: int = 0) -> None:
     )
     torch.manual_seed(seed)
     model = DiffusionGemmaForBlockDiffusion(config).to(torch.float32).eval()
+    with torch.no_grad():
+        model.model.decoder.self_conditioning.down_proj.weight.mul_(SELF_CONDITIONING_SCALE)
     # The defaults generate() would apply anyway, written out so the checkpoint is self-describing.
     model.generation_config = DiffusionGemmaGenerationConfig(
         max_new_tokens=256,

@@ -167,6 +167,7 @@ def format_table(results: dict[str, dict[int, LevelResult]], levels: list[int]) 
 def main(args: argparse.Namespace) -> int:
     from workers import tiny_models
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     levels = [int(x) for x in args.concurrency.split(",")]
     targets = [t.strip() for t in args.targets.split(",")]
     model_path = str(tiny_models.build(tiny_models.TINY_LLAMA))

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
 from gateway.errors import ErrorKind, TandemError
-from workers.coalesce import coalesce
-from workers.protocol import Engine, EngineInfo, EngineStats, Item
+from workers.channel import Demux, items_of
+from workers.protocol import EngineInfo, EngineStats, Item
 
 logger = logging.getLogger(__name__)
 
@@ -50,76 +51,130 @@ class Replica:
     extra: dict = field(default_factory=dict)
 
 
-class LocalReplicaHandle:
-    """An engine in this process. Same contract as the Ray handle, coalescing included."""
+class ChannelReplicaHandle:
+    """Reaches an ``EngineActor`` through one multiplexed channel (``workers/channel.py``).
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self._running: dict[str, asyncio.Task] = {}
+    ``call(method, *args)`` awaits one actor method; ``stream(method, *args)`` iterates a
+    streaming one. Subclasses bind them to Ray or to an in-process actor.
+    """
+
+    def __init__(self) -> None:
+        self.channel_id = uuid.uuid4().hex
+        self._demux: Demux | None = None
+        self._reader: asyncio.Task | None = None
+
+    async def call(self, method: str, *args):
+        raise NotImplementedError
+
+    def stream(self, method: str, *args) -> AsyncIterator:
+        raise NotImplementedError
+
+    def _dead(self, exc: BaseException) -> TandemError:
+        return TandemError(ErrorKind.ENGINE_DEAD, "the replica serving this request failed")
+
+    def _channel(self) -> Demux:
+        """The open channel; (re)opened when there is none or it broke (e.g. after a restart)."""
+        if self._demux is None or self._demux.broken is not None:
+            self._demux = Demux()
+            self._reader = asyncio.create_task(self._read(self._demux), name=f"channel-{self.channel_id}")
+        return self._demux
+
+    async def _read(self, demux: Demux) -> None:
+        try:
+            async for batch in self.stream("open_channel", self.channel_id):
+                demux.feed(batch)
+            err = TandemError(ErrorKind.ENGINE_DEAD, "the replica closed its channel")
+        except asyncio.CancelledError:
+            demux.fail_all(TandemError(ErrorKind.ENGINE_DEAD, "the gateway is shutting down"))
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever broke it, every request on it must end
+            logger.warning("channel %s broke: %s: %s", self.channel_id, type(e).__name__, e)
+            err = self._dead(e)
+        demux.fail_all(err)
 
     async def start(self) -> EngineInfo:
-        return await self.engine.start()
+        info = await self.call("start")
+        self._channel()
+        return info
 
     async def generate(self, route: str, body: dict, request_id: str) -> AsyncIterator[Item]:
-        items = self.engine.chat(body, request_id) if route == "chat" else self.engine.completions(body, request_id)
-        async for item in coalesce(items, request_id, self._running):
-            yield item
+        demux = self._channel()
+        queue = demux.register(request_id)
+        finished = False
+        try:
+            try:
+                await self.call("submit", self.channel_id, route, body, request_id)
+            except TandemError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                raise self._dead(e) from e
+            async for item in items_of(queue):
+                yield item
+            finished = True
+        finally:
+            demux.unregister(request_id)
+            if not finished:  # the client went away (or the stream failed): abort it there
+                asyncio.ensure_future(self._abort_quietly(request_id))
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        try:
+            await self.call("abort", request_id)
+        except Exception:  # noqa: BLE001 - the replica may be gone; nothing to abort then
+            pass
 
     async def abort(self, request_id: str) -> bool:
-        task = self._running.get(request_id)
-        if task is not None:
-            task.cancel()
-        return task is not None
+        return await self.call("abort", request_id)
 
     async def check_health(self) -> None:
-        await self.engine.check_health()
+        await self.call("check_health")
 
     async def stats(self) -> EngineStats:
-        return await self.engine.stats()
+        return await self.call("stats")
 
     async def shutdown(self) -> None:
-        await self.engine.shutdown()
+        if self._reader is not None:
+            self._reader.cancel()
+        await self.call("shutdown")
 
 
-class RayReplicaHandle:
+class LocalReplicaHandle(ChannelReplicaHandle):
+    """An ``EngineActor`` in this process (unit tests, no Ray); same channel code path."""
+
+    def __init__(self, actor):
+        super().__init__()
+        self.actor = actor
+
+    async def call(self, method: str, *args):
+        return await getattr(self.actor, method)(*args)
+
+    def stream(self, method: str, *args) -> AsyncIterator:
+        return getattr(self.actor, method)(*args)
+
+
+class RayReplicaHandle(ChannelReplicaHandle):
     """An ``EngineActor`` in the Ray cluster."""
 
     def __init__(self, actor):
+        super().__init__()
         self.actor = actor
 
-    async def start(self) -> EngineInfo:
-        return await self.actor.start.remote()
+    async def call(self, method: str, *args):
+        return await getattr(self.actor, method).remote(*args)
 
-    async def generate(self, route: str, body: dict, request_id: str) -> AsyncIterator[Item]:
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
-
-        gen = self.actor.generate.options(num_returns="streaming").remote(route, body, request_id)
-        finished = False
+    async def stream(self, method: str, *args) -> AsyncIterator:
+        gen = getattr(self.actor, method).options(num_returns="streaming").remote(*args)
         try:
             async for ref in gen:
                 yield await ref
-            finished = True
-        except RayActorError as e:
-            finished = True
-            raise TandemError(ErrorKind.ENGINE_DEAD, "the replica serving this request died") from e
-        except RayTaskError as e:
-            finished = True
-            logger.error("request %s failed in its replica: %s", request_id, e)
-            raise TandemError(ErrorKind.ENGINE_ERROR, "the replica failed on this request") from e
         finally:
-            if not finished:  # the client went away (or we were cancelled): abort it there
-                ray.cancel(gen)
-                self.actor.abort.remote(request_id)
+            import ray
 
-    async def abort(self, request_id: str) -> bool:
-        return await self.actor.abort.remote(request_id)
+            ray.cancel(gen)
 
-    async def check_health(self) -> None:
-        await self.actor.check_health.remote()
+    def _dead(self, exc: BaseException) -> TandemError:
+        from ray.exceptions import RayActorError
 
-    async def stats(self) -> EngineStats:
-        return await self.actor.stats.remote()
-
-    async def shutdown(self) -> None:
-        await self.actor.shutdown.remote()
+        if isinstance(exc, RayActorError):
+            return TandemError(ErrorKind.ENGINE_DEAD, "the replica serving this request died")
+        logger.error("replica call failed: %s: %s", type(exc).__name__, exc)
+        return TandemError(ErrorKind.ENGINE_ERROR, "the replica failed on this request")

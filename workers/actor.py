@@ -1,8 +1,9 @@
 """The thin Ray actor shell around one engine (one replica, one GPU).
 
-It owns no serving logic: it builds the engine from the model's config, starts it, and
-forwards requests, coalescing what it streams back (``workers/coalesce.py``) and keeping the
-per-request tasks so ``abort`` can cancel them. Errors go back as values.
+It owns no serving logic: it builds the engine from the model's config, starts it, runs
+requests and sends what they yield back over the caller's channel (``workers/channel.py``).
+Errors go back as values. The class is plain Python: ``workers.deployment`` wraps it with
+``ray.remote``; unit tests call it in-process.
 """
 
 from __future__ import annotations
@@ -13,64 +14,86 @@ import os
 from collections.abc import AsyncIterator
 
 from gateway.config import ModelConfig
-from gateway.errors import TandemError, invalid
-from workers.coalesce import coalesce
-from workers.protocol import EngineInfo, EngineStats, Item
+from gateway.errors import ErrorKind, TandemError, invalid
+from workers.channel import Batch, Outbox
+from workers.protocol import Engine, EngineInfo, EngineStats, Item
 from workers.registry import create_engine
 
 logger = logging.getLogger(__name__)
+CHANNEL_WAIT_S = 10.0
 
 
 class EngineActor:
-    """Decorated with ``ray.remote`` by ``workers.deployment``; plain Python otherwise."""
-
-    def __init__(self, model: dict, source_path: str, replica_id: str, engine_key: str | None = None):
+    def __init__(self, model: dict, source_path: str, replica_id: str, engine_key: str | None = None,
+                 engine: Engine | None = None):
         self.cfg = ModelConfig.model_validate(model)
         self.replica_id = replica_id
-        self.engine = create_engine(self.cfg, source_path, engine_key)
+        self.engine = engine if engine is not None else create_engine(self.cfg, source_path, engine_key)
         self.info: EngineInfo | None = None
-        self._running: dict[str, asyncio.Task] = {}
+        self._channels: dict[str, Outbox] = {}
+        self._channel_opened = asyncio.Condition()  # binds to the loop on first use (3.10+)
 
     async def start(self) -> EngineInfo:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if not logging.getLogger().handlers:
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logger.info("replica %s (pid %d) starting %s", self.replica_id, os.getpid(), self.cfg.name)
         self.info = await self.engine.start()
         return self.info
 
-    async def generate(self, route: str, body: dict, request_id: str) -> AsyncIterator[Item]:
-        """A Ray streaming generator: see ``workers.protocol`` for what it yields."""
+    async def open_channel(self, channel_id: str) -> AsyncIterator[Batch]:
+        """A long-lived stream of batches for every request submitted on ``channel_id``."""
+        outbox = Outbox()
+        self._channels[channel_id] = outbox
+        async with self._channel_opened:
+            self._channel_opened.notify_all()
+        try:
+            async for batch in outbox.stream():
+                yield batch
+        finally:
+            outbox.close()
+            self._channels.pop(channel_id, None)
+
+    async def submit(self, channel_id: str, route: str, body: dict, request_id: str) -> None:
+        """Start a request; its items (see ``workers.protocol``) go out on the channel."""
+        outbox = await self._outbox(channel_id)
+        outbox.start(request_id, self._items(route, body, request_id))
+
+    def _items(self, route: str, body: dict, request_id: str) -> AsyncIterator[Item]:
         if route == "chat":
-            items = self.engine.chat(body, request_id)
-        elif route == "completions":
-            items = self.engine.completions(body, request_id)
-        else:
-            yield invalid(f"unknown route {route!r}")
-            return
-        async for item in coalesce(items, request_id, self._running):
-            yield item
+            return self.engine.chat(body, request_id)
+        if route == "completions":
+            return self.engine.completions(body, request_id)
+        return _one(invalid(f"unknown route {route!r}"))
+
+    async def _outbox(self, channel_id: str) -> Outbox:
+        # The caller opens its channel before it submits; tolerate the race anyway.
+        if channel_id not in self._channels:
+            async with self._channel_opened:
+                try:
+                    await asyncio.wait_for(self._channel_opened.wait_for(lambda: channel_id in self._channels),
+                                           CHANNEL_WAIT_S)
+                except asyncio.TimeoutError:
+                    raise TandemError(ErrorKind.ENGINE_ERROR, "the gateway's channel to this replica is not open") \
+                        from None
+        return self._channels[channel_id]
 
     async def abort(self, request_id: str) -> bool:
-        task = self._running.get(request_id)
-        if task is not None:
-            task.cancel()
-        engine_held = await self.engine.abort(request_id)
-        return task is not None or engine_held
+        aborted = any([outbox.abort(request_id) for outbox in self._channels.values()])
+        return await self.engine.abort(request_id) or aborted
 
     async def check_health(self) -> None:
         await self.engine.check_health()
 
     async def stats(self) -> EngineStats:
         s = await self.engine.stats()
-        return EngineStats(running=s.running, waiting=s.waiting,
-                           extra={**s.extra, "actor_in_flight": len(self._running)})
+        in_flight = sum(len(o.tasks) for o in self._channels.values())
+        return EngineStats(running=s.running, waiting=s.waiting, extra={**s.extra, "actor_in_flight": in_flight})
 
     async def shutdown(self) -> None:
-        for task in list(self._running.values()):
-            task.cancel()
+        for outbox in list(self._channels.values()):
+            outbox.close()
         await self.engine.shutdown()
 
-    def ping(self) -> str:
-        return self.replica_id
 
-
-__all__ = ["EngineActor", "TandemError"]
+async def _one(item: Item) -> AsyncIterator[Item]:
+    yield item

@@ -128,13 +128,15 @@ class FakeDeployment:
 
     def create_replicas(self, model) -> list:
         from gateway.replicas import LocalReplicaHandle, Replica
+        from workers.actor import EngineActor
 
         out = []
         for i in range(model.replicas):
             rid = f"{model.name}/{i}"
             engine = FakeEngine(model.name, self.engine_args if self.engine_args is not None else model.engine_args)
             self.engines[rid] = engine
-            out.append(Replica(id=rid, model=model.name, handle=LocalReplicaHandle(engine)))
+            actor = EngineActor(model.model_dump(mode="json"), model.source, rid, engine=engine)
+            out.append(Replica(id=rid, model=model.name, handle=LocalReplicaHandle(actor)))
         return out
 
     def close(self) -> None:
