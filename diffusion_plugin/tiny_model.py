@@ -5,9 +5,9 @@ exercises the same code paths (encoder prefill and commit passes into a hybrid s
 ``DynamicCache``, bidirectional decoder passes over [cache | canvas], self-conditioning, the MoE
 block, the entropy-bound sampler) on any CPU, offline, in seconds. It generates nonsense.
 
-Everything is deterministic: the tokenizer is trained on the corpus shipped in ``workers/data``
-and the weights are drawn after ``torch.manual_seed(seed)``. Weights are float32 so that per-row
-re-implementations can be compared bit for bit with ``generate()``.
+Deterministic: the tokenizer is trained on the corpus in ``workers/data``, the weights are drawn
+after ``torch.manual_seed(seed)`` (in a forked RNG; the caller's stream is left alone). float32,
+so per-row re-implementations can be compared bit for bit with ``generate()``.
 
 Vocabulary: ``build_tokenizer`` yields 1024 ids. DiffusionGemma's config also carries
 ``boi_token_id`` / ``eoi_token_id`` / ``image_token_id`` (defaults ~256k, outside a tiny vocab;
@@ -44,7 +44,10 @@ def build_tiny_diffusiongemma(out: Path, seed: int = 0) -> None:
         DiffusionGemmaTextConfig,
         Gemma4VisionConfig,
     )
-    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+        DiffusionGemmaGenerationConfig,
+        EntropyBoundSamplerConfig,
+    )
 
     from workers.tiny_models import SPECIAL_TOKENS, build_tokenizer
 
@@ -80,16 +83,9 @@ def build_tiny_diffusiongemma(out: Path, seed: int = 0) -> None:
         bos_token_id=ids["<s>"],
         eos_token_id=ids["<|im_end|>"],
     )
-    vision_config = Gemma4VisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-        patch_size=4,
-        pooling_kernel_size=2,
-        position_embedding_size=64,
+    vision_config = Gemma4VisionConfig(  # unused by text generation, but the encoder always builds it
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2, position_embedding_size=64,
     )
     config = DiffusionGemmaConfig(
         text_config=text_config,
@@ -101,15 +97,15 @@ def build_tiny_diffusiongemma(out: Path, seed: int = 0) -> None:
         initializer_range=INITIALIZER_RANGE,
         dtype="float32",
     )
-    torch.manual_seed(seed)
-    model = DiffusionGemmaForBlockDiffusion(config).to(torch.float32).eval()
-    with torch.no_grad():
+    with torch.random.fork_rng(), torch.no_grad():
+        torch.manual_seed(seed)
+        model = DiffusionGemmaForBlockDiffusion(config).to(torch.float32).eval()
         model.model.decoder.self_conditioning.down_proj.weight.mul_(SELF_CONDITIONING_SCALE)
     # The defaults generate() would apply anyway, written out so the checkpoint is self-describing.
     model.generation_config = DiffusionGemmaGenerationConfig(
         max_new_tokens=256,
         max_denoising_steps=48,
-        sampler_config={"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.1},
+        sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1),
         t_min=0.4,
         t_max=0.8,
         stability_threshold=1,

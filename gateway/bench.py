@@ -28,6 +28,7 @@ from gateway.loadgen import LevelResult, run_level
 
 logger = logging.getLogger("tandem.bench")
 ENGINE_ARGS = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 64, "dtype": "float32"}
+ALL_CORES = set(os.sched_getaffinity(0))
 CORPUS = Path(__file__).resolve().parent.parent / "workers" / "data" / "corpus.txt"
 
 
@@ -127,9 +128,15 @@ def _servers(args, model_path: str, workdir: Path) -> dict[str, Server]:
 
 
 def _run_target(server: Server, levels: list[int], args) -> dict[int, LevelResult]:
+    from workers.cpu_affinity import keep_off_vllm_workers
+
     out = {}
     with server:
         server.wait_ready(args.ready_timeout)
+        # The load generator keeps off vLLM's pinned worker core for both targets alike.
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), ALL_CORES)
+        keep_off_vllm_workers()
         url = f"http://127.0.0.1:{server.port}"
         asyncio.run(run_level(url, _bodies(8, 8, seed=99), 4))  # warm-up
         for c in levels:

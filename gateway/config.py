@@ -67,8 +67,12 @@ class ModelConfig(_Strict):
 class GatewayConfig(_Strict):
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=0, le=65535, description="Port the HTTP server binds (0: any free port).")
-    request_timeout_s: float = Field(600, gt=0, description="A request that runs longer is ended with an error.")
     health_interval_s: float = Field(5, gt=0, description="Seconds between replica health checks.")
+    avoid_engine_cores: bool = Field(
+        True,
+        description="On CPU nodes, keep the gateway off the cores vLLM's CPU worker is pinned to (replica "
+        "frontends always do). No effect on GPU nodes.",
+    )
 
 
 class RayConfig(_Strict):

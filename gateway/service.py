@@ -65,6 +65,10 @@ class Service:
             return
         replica.state = ReplicaState.HEALTHY
         logger.info("replica %s: ready in %.1f s", replica.id, time.monotonic() - t0)
+        if self.config.gateway.avoid_engine_cores:
+            from workers.cpu_affinity import keep_off_vllm_workers
+
+            keep_off_vllm_workers()
         if self.router.ready():
             logger.info("all models ready: %s", ", ".join(self.router.pools))
 

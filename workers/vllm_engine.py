@@ -65,8 +65,9 @@ async def _once(item: Item) -> AsyncIterator[Item]:
 class VllmEngine:
     """Implements ``workers.protocol.Engine`` with vLLM."""
 
-    def __init__(self, model: str, source: str, engine_args: dict[str, Any]):
+    def __init__(self, model: str, source: str, engine_args: dict[str, Any], avoid_worker_cores: bool = True):
         self.model = model
+        self.avoid_worker_cores = avoid_worker_cores
         self.source = source
         self.engine_args = dict(engine_args)
         self._llm = None
@@ -91,6 +92,10 @@ class VllmEngine:
         supported = await self._llm.get_supported_tasks()
         self._state = State()
         await init_app_state(self._llm, self._state, args, supported)
+        if self.avoid_worker_cores:
+            from workers.cpu_affinity import keep_off_vllm_workers
+
+            keep_off_vllm_workers()  # CPU backend only: its worker is pinned; stay off its cores
         return EngineInfo(
             model=self.model,
             kind="autoregressive",
