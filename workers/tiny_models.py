@@ -99,7 +99,14 @@ def build_tiny_llama(out: Path, seed: int = 0) -> None:
     ).save_pretrained(out)
 
 
-BUILDERS = {TINY_LLAMA: build_tiny_llama}
+def build_tiny_diffusiongemma(out: Path, seed: int = 0) -> None:
+    from diffusion_plugin.tiny_model import build_tiny_diffusiongemma as build_dg
+
+    build_dg(out, seed)
+
+
+TINY_DIFFUSIONGEMMA = "tiny-diffusiongemma"
+BUILDERS = {TINY_LLAMA: build_tiny_llama, TINY_DIFFUSIONGEMMA: build_tiny_diffusiongemma}
 
 
 def _stamp(path: Path) -> Path:

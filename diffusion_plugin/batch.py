@@ -1,0 +1,33 @@
+"""The typed contract between the scheduler (what to run) and the runner (how to run it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepBatch:
+    """One iteration of the loop: encoder passes first, then one batched decoder forward."""
+
+    admit: list[str] = field(default_factory=list)  # sequences whose state the runner must create
+    encode: list[str] = field(default_factory=list)  # prefill (new) or commit (next block) passes
+    denoise: list[str] = field(default_factory=list)  # rows of the batched decoder forward
+    free: list[str] = field(default_factory=list)  # sequences whose state the runner must drop
+
+    def empty(self) -> bool:
+        return not (self.encode or self.denoise)
+
+
+@dataclass
+class RowOutput:
+    seq_id: str
+    block_done: bool  # stable-and-confident, or the last step of the block
+    committed: list[int] | None = None  # the block's tokens (argmax canvas) when block_done
+    preview: list[int] | None = None  # argmax canvas after this step, if the sequence wants previews
+
+
+@dataclass
+class StepOutput:
+    rows: list[RowOutput] = field(default_factory=list)
+    forward_s: float = 0.0  # time inside model forwards (encoder + decoder)
+    step_s: float = 0.0  # the whole execute() call

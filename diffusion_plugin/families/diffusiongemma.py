@@ -1,0 +1,117 @@
+"""What is DiffusionGemma's own: loading, the encoder and decoder calls, self-conditioning,
+the entropy-bound sampler and its stopping rule, the generation-config defaults.
+
+Every numeric step copies transformers' ``generation_diffusion_gemma.py`` (5.19) expression by
+expression, so a sequence reproduces ``generate()`` run alone bit for bit in float32
+(see ``diffusion_plugin/NOTES_generate.md``). Random draws use each sequence's own generator
+in the reference's order: canvas init per block; per step the multinomial, then the renoise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffusion_plugin.attention import ATTN_NAME, register
+from diffusion_plugin.request import SamplingParams
+
+FAMILY = "diffusiongemma"
+
+
+class DiffusionGemmaAdapter:
+    def __init__(self, path: str, dtype: str = "float32", device: str = "cpu"):
+        from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
+
+        register()
+        self.model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+        self.model.set_attn_implementation(ATTN_NAME)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        cfg = self.model.config
+        self.device = torch.device(device)
+        self.canvas_length = cfg.canvas_length
+        self.vocab_size = cfg.text_config.vocab_size
+        self.layer_types = list(cfg.text_config.layer_types)
+        self.sliding_window = cfg.text_config.sliding_window
+        gen = self.model.generation_config
+        eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_token_ids = tuple(eos if isinstance(eos, (list, tuple)) else [eos])
+        self.max_position = getattr(cfg.text_config, "max_position_embeddings", None)
+
+    def defaults(self) -> dict:
+        """The model's generation-config defaults for the per-request knobs."""
+        gen = self.model.generation_config
+        sampler = getattr(gen, "sampler_config", None)
+        bound = getattr(sampler, "entropy_bound", None) if sampler is not None else None
+        return {
+            "max_denoising_steps": getattr(gen, "max_denoising_steps", None) or 48,
+            "entropy_bound": bound if bound is not None else 0.1,
+            "t_min": getattr(gen, "t_min", None) if getattr(gen, "t_min", None) is not None else 0.4,
+            "t_max": getattr(gen, "t_max", None) if getattr(gen, "t_max", None) is not None else 0.8,
+            "stability_threshold": getattr(gen, "stability_threshold", None)
+            if getattr(gen, "stability_threshold", None) is not None else 1,
+            "confidence_threshold": getattr(gen, "confidence_threshold", None)
+            if getattr(gen, "confidence_threshold", None) is not None else 0.005,
+        }
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config.get_text_config(decoder=True))
+
+    # -- model calls ------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, cache, token_ids: torch.Tensor) -> None:
+        """Causal encoder pass of one sequence (prefill, or the previous block's commit); writes its cache."""
+        self.model.model.encoder(input_ids=token_ids, past_key_values=cache)
+
+    @torch.no_grad()
+    def decode(self, canvas: torch.Tensor, view, positions: torch.Tensor, sc_logits: torch.Tensor | None,
+               sc_mask: torch.Tensor | None) -> torch.Tensor:
+        """One batched bidirectional decoder forward over [cache | canvas]; returns (B, C, V) float32 logits."""
+        nones = {t: None for t in set(self.layer_types)}  # rows are masked by the row-wise attention
+        return self.model(decoder_input_ids=canvas, self_conditioning_logits=sc_logits, self_conditioning_mask=sc_mask,
+                          past_key_values=view, decoder_attention_mask=nones, decoder_position_ids=positions).logits
+
+    # -- the sampler (as in generation_diffusion_gemma.py) -------------------------------
+    def init_canvas(self, generator: torch.Generator) -> torch.Tensor:
+        return torch.randint(low=0, high=self.vocab_size, size=(1, self.canvas_length), generator=generator,
+                             device=self.device)
+
+    @staticmethod
+    def temperature(p: SamplingParams, steps_left: int) -> torch.Tensor:
+        cur_step = torch.tensor(steps_left, dtype=torch.int32)  # a tensor, exactly as HF (float32 maths)
+        return p.t_min + ((p.t_max - p.t_min) * (cur_step / p.max_denoising_steps))
+
+    def sample(self, logits: torch.Tensor, canvas: torch.Tensor, params: list[SamplingParams],
+               steps_left: list[int], generators: list[torch.Generator]):
+        """One denoise step for B rows. Returns (processed logits, new canvas, argmax, entropy)."""
+        rows = logits.shape[0]
+        V = self.vocab_size
+        # Per row: the division (keeps HF's exact op on its own 0-dim temperature) and the draws.
+        processed = torch.cat([logits[b:b + 1] / self.temperature(params[b], steps_left[b]) for b in range(rows)])
+        probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+        argmax = torch.argmax(processed, dim=-1)
+        entropy = torch.distributions.Categorical(logits=processed, validate_args=False).entropy()
+        sorted_entropy, sorted_idx = torch.sort(entropy, dim=-1, descending=False)
+        bounds = torch.tensor([p.entropy_bound for p in params], dtype=entropy.dtype).unsqueeze(-1)
+        selection = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= bounds
+        accepted = torch.scatter(input=torch.zeros_like(selection), dim=-1, index=sorted_idx, src=selection)
+        new_canvas = torch.empty_like(canvas)
+        for b in range(rows):
+            sampled = torch.multinomial(probs[b].view(-1, V), num_samples=1, generator=generators[b]).view(1, -1)
+            kept = torch.where(accepted[b:b + 1], sampled, canvas[b:b + 1])
+            noise = torch.randint(low=0, high=V, size=(1, self.canvas_length), generator=generators[b],
+                                  device=self.device)
+            new_canvas[b:b + 1] = torch.where(~accepted[b:b + 1], noise, kept)
+        return processed, new_canvas, argmax, entropy
+
+    @staticmethod
+    def is_stable(history: torch.Tensor | None, argmax: torch.Tensor, threshold: int):
+        """The stable half of StableAndConfidentStoppingCriteria; returns (stable, new history)."""
+        if threshold == 0:
+            return True, history
+        if history is None:
+            history = torch.full((threshold, 1, argmax.shape[-1]), -1, dtype=argmax.dtype)
+        stable = bool((history == argmax[None]).all(-1).all(0))
+        history = torch.roll(history, shifts=-1, dims=0)
+        history[-1] = argmax
+        return stable, history

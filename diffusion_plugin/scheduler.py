@@ -1,0 +1,176 @@
+"""The block-granular continuous batcher's decisions: admit, retire, what runs next.
+
+Pure Python (no torch, Ray or asyncio) and unit-tested with hand-built step outputs.
+
+Each loop iteration is ``schedule()`` -> runner executes the ``StepBatch`` -> ``update()``.
+- Block mode (default): sequences join and leave at block boundaries. A boundary is a step
+  at which no admitted sequence is mid-block; then finished blocks are committed (encoder
+  pass) and waiting requests are admitted, up to ``max_batch``. A sequence that converged
+  early is not forwarded for the rest of the block (``BLOCK_DONE``); the steps it waits are
+  counted as ``row_steps_waiting``.
+- Row mode: a sequence that converged commits and starts its next block at the next step,
+  and a waiting request is admitted as soon as a slot is free.
+Aborts are drained at the top of ``schedule()``, so a cancelled sequence never reaches
+another forward.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from diffusion_plugin.batch import StepBatch, StepOutput
+from diffusion_plugin.request import Sequence, SeqStatus
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0  # decoder forwards
+    row_steps: int = 0  # rows in those forwards
+    row_steps_waiting: int = 0  # converged rows idle while a slower row finished its block (block mode)
+    blocks_committed: int = 0
+    tokens_committed: int = 0
+    encode_passes: int = 0
+    aborted: int = 0
+
+
+@dataclass
+class Finished:
+    seq: Sequence
+
+
+@dataclass
+class Committed:
+    seq: Sequence
+    new_ids: list[int]
+
+
+class Scheduler:
+    def __init__(self, max_batch: int, canvas_length: int, row_boundaries: bool = False):
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        self.max_batch = max_batch
+        self.canvas_length = canvas_length
+        self.row_boundaries = row_boundaries
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}
+        self._aborts: list[tuple[str, SeqStatus]] = []
+        self._to_free: list[str] = []
+        self.stats = SchedulerStats()
+
+    # -- requests in --------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: str, status: SeqStatus = SeqStatus.FINISHED_ABORTED) -> None:
+        """Takes effect at the next ``schedule()``, before any further forward."""
+        self._aborts.append((seq_id, status))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._aborts or self._to_free)
+
+    def num_free_slots(self) -> int:
+        return self.max_batch - len(self.running)
+
+    # -- the cycle ------------------------------------------------------------------------
+    def schedule(self) -> tuple[StepBatch, list[Finished]]:
+        # 1. Drain aborts first: an aborted sequence leaves before the next forward.
+        finished = self._drain_aborts()
+        batch = StepBatch(free=self._to_free)
+        self._to_free = []
+        # 2. At a boundary: committed blocks get their encoder pass, waiting sequences join.
+        at_boundary = self.row_boundaries or not any(
+            s.status is SeqStatus.DENOISING for s in self.running.values())
+        if at_boundary:
+            for seq in self.running.values():
+                if seq.status is SeqStatus.BLOCK_DONE:
+                    seq.status = SeqStatus.NEEDS_ENCODE
+            while self.waiting and len(self.running) < self.max_batch:
+                seq = self.waiting.popleft()
+                seq.status = SeqStatus.NEEDS_ENCODE
+                self.running[seq.seq_id] = seq
+                batch.admit.append(seq.seq_id)
+        # 3. Encoder passes, then every sequence mid-block is a row of the decoder forward.
+        for seq in self.running.values():
+            if seq.status is SeqStatus.NEEDS_ENCODE:
+                batch.encode.append(seq.seq_id)
+                seq.status = SeqStatus.DENOISING
+                seq.step = 0
+        batch.denoise = [s.seq_id for s in self.running.values() if s.status is SeqStatus.DENOISING]
+        waiting_rows = sum(1 for s in self.running.values() if s.status is SeqStatus.BLOCK_DONE)
+        if batch.denoise:
+            self.stats.steps += 1
+            self.stats.row_steps += len(batch.denoise)
+            self.stats.row_steps_waiting += waiting_rows
+        self.stats.encode_passes += len(batch.encode)
+        return batch, finished
+
+    def update(self, out: StepOutput) -> tuple[list[Committed], list[Finished]]:
+        """Apply the runner's results. Rows of sequences aborted meanwhile are skipped."""
+        committed, finished = [], []
+        for row in out.rows:
+            seq = self.running.get(row.seq_id)
+            if seq is None or seq.status is not SeqStatus.DENOISING:
+                continue  # aborted or already finished: skip, do not crash
+            seq.step += 1
+            if not row.block_done:
+                continue
+            new_ids, status = self._commit(seq, row.committed or [])
+            committed.append(Committed(seq, new_ids))
+            if status is not None:
+                finished.append(self._retire(seq, status))
+            else:
+                seq.status = SeqStatus.NEEDS_ENCODE if self.row_boundaries else SeqStatus.BLOCK_DONE
+        return committed, finished
+
+    def fail(self, seq_ids: list[str], error: str) -> list[Finished]:
+        """A batch failed: every sequence in it ends with an error and its state is dropped."""
+        out = []
+        for seq_id in seq_ids:
+            seq = self.running.get(seq_id)
+            if seq is not None:
+                seq.error = error
+                out.append(self._retire(seq, SeqStatus.FINISHED_ERROR))
+        return out
+
+    # -- helpers --------------------------------------------------------------------------
+    def _commit(self, seq: Sequence, block: list[int]) -> tuple[list[int], SeqStatus | None]:
+        eos = set(seq.params.eos_token_ids)
+        cut = next((i for i, t in enumerate(block) if t in eos), None)
+        room = seq.params.max_tokens - len(seq.output_ids)
+        new_ids = block[:cut] if cut is not None else list(block)
+        status = SeqStatus.FINISHED_STOPPED if cut is not None else None
+        if len(new_ids) >= room:
+            if len(new_ids) > room or status is None:
+                status = SeqStatus.FINISHED_LENGTH
+            new_ids = new_ids[:room]
+        seq.output_ids.extend(new_ids)
+        seq.block += 1
+        self.stats.blocks_committed += 1
+        self.stats.tokens_committed += len(new_ids)
+        return new_ids, status
+
+    def _retire(self, seq: Sequence, status: SeqStatus) -> Finished:
+        seq.status = status
+        self.running.pop(seq.seq_id, None)
+        self._to_free.append(seq.seq_id)
+        return Finished(seq)
+
+    def _drain_aborts(self) -> list[Finished]:
+        finished = []
+        for seq_id, status in self._aborts:
+            seq = self.running.get(seq_id)
+            if seq is not None:
+                finished.append(self._retire(seq, status))
+            else:
+                for i, w in enumerate(self.waiting):
+                    if w.seq_id == seq_id:
+                        del self.waiting[i]
+                        w.status = status
+                        finished.append(Finished(w))
+                        break
+            if status is SeqStatus.FINISHED_ABORTED and finished and finished[-1].seq.seq_id == seq_id:
+                self.stats.aborted += 1
+        self._aborts = []
+        return finished
