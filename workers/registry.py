@@ -20,6 +20,8 @@ Factory = Callable[[ModelConfig, str], Engine]
 # Built in; entry points may add to (or override) these.
 _BUILTIN: dict[str, str] = {
     "autoregressive": "workers.vllm_engine:create_engine",
+    "diffusion": "diffusion_plugin.engine:create_engine",
+    "diffusion:diffusiongemma": "diffusion_plugin.engine:create_engine",
     "fake": "workers.fake_engine:create_engine",
 }
 

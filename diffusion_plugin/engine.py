@@ -1,0 +1,250 @@
+"""The diffusion engine: ``workers.protocol.Engine`` over tandem's block-granular batcher.
+
+OpenAI in, OpenAI out: each committed block is an ordinary delta chunk (append-only); with
+``"diffusion": {"previews": true}`` preview chunks (empty ``delta`` plus ``diffusion_preview``,
+replace semantics) come between them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from diffusion_plugin import params as P
+from diffusion_plugin.loop import DiffusionLoop, SeqEvent
+from diffusion_plugin.request import FINISH_REASON, SamplingParams, Sequence, SeqStatus
+from gateway.errors import ErrorKind, TandemError
+from workers.protocol import DONE, EngineInfo, EngineStats, Item
+
+logger = logging.getLogger(__name__)
+
+
+class DiffusionEngine:
+    def __init__(self, model: str, source: str, engine_args: dict[str, Any]):
+        args = dict(engine_args)
+        args.pop("family", None)
+        self.model = model
+        self.source = source
+        self.max_batch = int(args.pop("max_batch", 16))
+        self.row_boundaries = args.pop("boundaries", "block") == "row"
+        self.dtype = args.pop("dtype", "float32")
+        self.num_threads = args.pop("num_threads", None)
+        if args:
+            raise ValueError(f"engine_args.{next(iter(args))}: not a diffusion engine argument")
+        self.adapter = None
+        self.loop: DiffusionLoop | None = None
+        self._requests: dict[str, list[str]] = {}
+
+    async def start(self) -> EngineInfo:
+        import torch
+
+        from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
+        from diffusion_plugin.runner import Runner
+        from diffusion_plugin.scheduler import Scheduler
+
+        if self.num_threads:
+            torch.set_num_threads(int(self.num_threads))
+        self.adapter = await asyncio.to_thread(DiffusionGemmaAdapter, self.source, self.dtype)
+        scheduler = Scheduler(self.max_batch, self.adapter.canvas_length, self.row_boundaries)
+        self.loop = DiffusionLoop(scheduler, Runner(self.adapter))
+        self.loop.start()
+        return EngineInfo(model=self.model, kind="diffusion", max_model_len=self.adapter.max_position,
+                          extra={"canvas_length": self.adapter.canvas_length, "max_batch": self.max_batch,
+                                 "boundaries": "row" if self.row_boundaries else "block"})
+
+    # -- requests -------------------------------------------------------------------------
+    def chat(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        return self._serve(body, request_id, chat=True)
+
+    def completions(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        return self._serve(body, request_id, chat=False)
+
+    def _prompt_ids(self, req, chat: bool) -> list[int]:
+        tok = self.adapter.tokenizer
+        if chat:
+            try:
+                return tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)
+            except Exception as e:  # noqa: BLE001 - a malformed message is the client's error
+                raise P.invalid(f"messages: cannot apply the chat template: {e}", param="messages") from None
+        return tok(req.prompt).input_ids
+
+    async def _serve(self, body: dict, request_id: str, chat: bool) -> AsyncIterator[Item]:
+        try:
+            req = P.parse(P.ChatBody if chat else P.CompletionBody, body)
+            prompt_ids = self._prompt_ids(req, chat)
+            knobs = P.resolve(req, self.adapter.defaults())
+        except TandemError as e:
+            yield e
+            return
+        max_tokens = req.max_completion_tokens or req.max_tokens or 256
+        limit = self.adapter.max_position
+        if limit and len(prompt_ids) + max_tokens + self.adapter.canvas_length > limit:
+            field = "messages" if chat else "prompt"
+            yield TandemError(ErrorKind.CONTEXT_TOO_LONG,
+                              f"This model's maximum context length is {limit} tokens; the prompt has "
+                              f"{len(prompt_ids)} and max_tokens is {max_tokens}.", field)
+            return
+        seed = knobs.pop("seed")
+        seqs = [Sequence(seq_id=f"{request_id}-{i}", prompt_ids=list(prompt_ids),
+                         params=SamplingParams(max_tokens=max_tokens, seed=seed + i,
+                                               eos_token_ids=self.adapter.eos_token_ids,
+                                               previews=req.diffusion.previews and req.stream, **knobs))
+                for i in range(req.n)]
+        self._requests[request_id] = [s.seq_id for s in seqs]
+        merged: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.create_task(_forward(self.loop.submit(s), merged)) for s in seqs]
+        texts = {s.seq_id: _Text(self.adapter.tokenizer, req.stops()) for s in seqs}
+        finished = 0
+        created = int(time.time())
+        rid = ("chatcmpl-" if chat else "cmpl-") + request_id
+        try:
+            if req.stream and chat:
+                for i in range(req.n):
+                    yield _sse(_chunk(rid, created, self.model, chat, i, {"role": "assistant", "content": ""}))
+            while finished < len(seqs):
+                ev: SeqEvent = await merged.get()
+                index = seqs.index(ev.seq)
+                text = texts[ev.seq.seq_id]
+                if ev.kind == "preview" and req.stream:
+                    preview = {"block": ev.seq.block, "step": ev.step,
+                               "max_steps": ev.seq.params.max_denoising_steps, "text": text.preview(ev.new_ids)}
+                    yield _sse(_chunk(rid, created, self.model, chat, index, {}, extra={"diffusion_preview": preview}))
+                elif ev.kind == "block":
+                    delta, stopped = text.add(ev.new_ids)
+                    if stopped:
+                        self.loop.abort(ev.seq.seq_id, SeqStatus.FINISHED_STOPPED)
+                    if req.stream and delta:
+                        yield _sse(_chunk(rid, created, self.model, chat, index, {"content": delta}))
+                elif ev.kind == "finished":
+                    finished += 1
+                    if ev.seq.status is SeqStatus.FINISHED_ERROR:
+                        raise TandemError(ErrorKind.ENGINE_ERROR, f"the diffusion batch failed: {ev.seq.error}")
+                    if req.stream:
+                        delta = text.flush()
+                        yield _sse(_chunk(rid, created, self.model, chat, index,
+                                          {"content": delta} if delta else {}, finish=_finish(ev.seq, text)))
+            usage = {"prompt_tokens": len(prompt_ids) * len(seqs),
+                     "completion_tokens": sum(texts[s.seq_id].num_tokens for s in seqs)}
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            if req.stream:
+                if req.include_usage():
+                    yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                "created": created, "model": self.model, "choices": [], "usage": usage})
+                yield DONE
+            else:
+                choices = []
+                for i, s in enumerate(seqs):
+                    t = texts[s.seq_id]
+                    body = {"message": {"role": "assistant", "content": t.text}} if chat else {"text": t.text}
+                    choices.append({"index": i, **body, "logprobs": None, "finish_reason": _finish(s, t)})
+                yield {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                       "model": self.model, "choices": choices, "usage": usage}
+        finally:
+            for p in pumps:
+                p.cancel()
+            for s in seqs:
+                if not s.status.finished:
+                    self.loop.abort(s.seq_id)
+            self._requests.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> bool:
+        ids = self._requests.get(request_id, [])
+        for seq_id in ids:
+            self.loop.abort(seq_id)
+        return bool(ids)
+
+    async def check_health(self) -> None:
+        if self.loop is None or self.loop.dead is not None:
+            raise RuntimeError("the diffusion loop is not running")
+
+    async def stats(self) -> EngineStats:
+        if self.loop is None:
+            return EngineStats(running=0)
+        s = self.loop.scheduler
+        st = s.stats
+        return EngineStats(running=len(s.running), waiting=len(s.waiting), extra={
+            "steps": st.steps, "row_steps": st.row_steps, "row_steps_waiting": st.row_steps_waiting,
+            "blocks_committed": st.blocks_committed, "tokens_committed": st.tokens_committed,
+            "encode_passes": st.encode_passes, "aborted": st.aborted, "forward_s": self.loop.stats.forward_s,
+            "busy_s": self.loop.stats.busy_s, "errors": self.loop.stats.errors})
+
+    async def shutdown(self) -> None:
+        if self.loop is not None:
+            await self.loop.stop()
+
+
+class _Text:
+    """Incremental text of one sequence: deltas, stop strings, previews."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tok = tokenizer
+        self.stops = stops
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    def add(self, new_ids: list[int]) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        self.ids.extend(new_ids)
+        self.text = self.tok.decode(self.ids, skip_special_tokens=True)
+        for stop in self.stops:
+            at = self.text.find(stop)
+            if at != -1:
+                self.text = self.text[:at]
+                self.stopped = True
+        # Hold back a trailing incomplete UTF-8 sequence until the next block completes it.
+        safe = len(self.text) if self.stopped else len(self.text.rstrip("\ufffd"))
+        delta, self.sent = self.text[self.sent:safe], max(self.sent, safe)
+        return delta, self.stopped
+
+    def flush(self) -> str:
+        delta, self.sent = self.text[self.sent:], len(self.text)
+        return delta
+
+    def preview(self, canvas_ids: list[int]) -> str:
+        return self.tok.decode(canvas_ids, skip_special_tokens=True)
+
+
+def _finish(seq: Sequence, text: _Text) -> str:
+    return "stop" if text.stopped else FINISH_REASON.get(seq.status, "stop")
+
+
+async def _forward(queue: asyncio.Queue, merged: asyncio.Queue) -> None:
+    while True:
+        ev = await queue.get()
+        merged.put_nowait(ev)
+        if ev.kind == "finished":
+            return
+
+
+def _chunk(rid, created, model, chat, index, delta, finish=None, extra=None) -> dict:
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish} if chat else \
+        {"index": index, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish}
+    if extra:
+        choice.update(extra)
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice]}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def create_engine(cfg, source_path: str) -> DiffusionEngine:
+    """The ``diffusion`` (and ``diffusion:diffusiongemma``) entry in ``workers.registry``."""
+    return DiffusionEngine(cfg.name, source_path, cfg.engine_args)
+
+
+__all__ = ["DiffusionEngine", "create_engine", "uuid"]

@@ -1,0 +1,135 @@
+"""The worker loop: one task owns the model. schedule -> execute (in a thread) -> update.
+
+Requests talk to it through ``submit``/``abort`` and receive ``SeqEvent``s on their own queue.
+A failed step fails every sequence of that batch (and resets the runner); the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from diffusion_plugin.request import FINISH_REASON, Sequence, SeqStatus
+from diffusion_plugin.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SeqEvent:
+    kind: str  # "preview" | "block" | "finished"
+    seq: Sequence
+    new_ids: list[int] = field(default_factory=list)
+    step: int = 0
+
+
+@dataclass
+class LoopStats:
+    forward_s: float = 0.0
+    busy_s: float = 0.0  # wall time spent in execute() calls
+    admission_wait_s: list[float] = field(default_factory=list)
+    errors: int = 0
+
+
+class DiffusionLoop:
+    def __init__(self, scheduler: Scheduler, runner):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.seqs: dict[str, Sequence] = {}
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.stats = LoopStats()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.dead: BaseException | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="diffusion-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def submit(self, seq: Sequence) -> asyncio.Queue:
+        if self.dead is not None:
+            raise RuntimeError(f"the diffusion loop died: {self.dead!r}")
+        seq.arrival = time.monotonic()
+        queue: asyncio.Queue = asyncio.Queue()
+        self.seqs[seq.seq_id] = seq
+        self.queues[seq.seq_id] = queue
+        self.scheduler.add(seq)
+        self._wake.set()
+        return queue
+
+    def abort(self, seq_id: str, status: SeqStatus = SeqStatus.FINISHED_ABORTED) -> None:
+        if seq_id in self.seqs:
+            self.scheduler.abort(seq_id, status)
+            self._wake.set()
+
+    def num_active(self) -> int:
+        return len(self.scheduler.running)
+
+    def _emit(self, event: SeqEvent) -> None:
+        queue = self.queues.get(event.seq.seq_id)
+        if queue is not None:
+            queue.put_nowait(event)
+        if event.kind == "finished":
+            self.queues.pop(event.seq.seq_id, None)
+            self.seqs.pop(event.seq.seq_id, None)
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if not self.scheduler.has_work():
+                    self._wake.clear()
+                    await self._wake.wait()
+                # 1. schedule (aborts drained first)
+                batch, finished = self.scheduler.schedule()
+                for f in finished:
+                    self._emit(SeqEvent("finished", f.seq))
+                now = time.monotonic()
+                for seq_id in batch.admit:
+                    seq = self.seqs[seq_id]
+                    seq.admitted_at = now
+                    self.stats.admission_wait_s.append(now - seq.arrival)
+                if batch.empty():
+                    for seq_id in batch.free:
+                        self.runner.free(seq_id)
+                    await asyncio.sleep(0)
+                    continue
+                # 2. execute, off the event loop
+                try:
+                    out = await asyncio.to_thread(self.runner.execute, batch, dict(self.seqs))
+                except Exception as e:  # noqa: BLE001 - fail this batch, keep serving
+                    logger.exception("diffusion step failed; failing its %d sequences", len(self.scheduler.running))
+                    self.stats.errors += 1
+                    self.runner.reset()
+                    for f in self.scheduler.fail(list(self.scheduler.running), f"{type(e).__name__}: {e}"):
+                        self._emit(SeqEvent("finished", f.seq))
+                    continue
+                self.stats.forward_s += out.forward_s
+                self.stats.busy_s += out.step_s
+                # 3. update, then tell each request what happened to it
+                for row in out.rows:
+                    seq = self.seqs.get(row.seq_id)
+                    if row.preview is not None and seq is not None and not row.block_done:
+                        self._emit(SeqEvent("preview", seq, row.preview, step=seq.step + 1))
+                committed, finished = self.scheduler.update(out)
+                for c in committed:
+                    self._emit(SeqEvent("block", c.seq, c.new_ids))
+                for f in finished:
+                    self._emit(SeqEvent("finished", f.seq))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - this is a bug; end every waiter, never hang
+            logger.exception("bug: the diffusion loop crashed")
+            self.dead = e
+            for seq in list(self.seqs.values()):
+                seq.status, seq.error = SeqStatus.FINISHED_ERROR, f"the diffusion loop crashed: {e!r}"
+                self._emit(SeqEvent("finished", seq))
+            raise
+
+
+__all__ = ["DiffusionLoop", "SeqEvent", "FINISH_REASON"]
