@@ -32,14 +32,19 @@ class Stack:
     def model_path(self) -> Path:
         return REPO / "models" / "tiny-llama"
 
+    @property
+    def diffusion_path(self) -> Path:
+        return REPO / "models" / "tiny-diffusiongemma"
+
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kw)
 
     def async_client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
 
-    def replica_stats(self) -> list[dict]:
-        return httpx.get(self.url + "/admin/replicas", timeout=10).json()["replicas"]
+    def replica_stats(self, model: str = "tiny-llama") -> list[dict]:
+        rows = httpx.get(self.url + "/admin/replicas", timeout=10).json()["replicas"]
+        return [r for r in rows if r["model"] == model]
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
@@ -71,6 +76,10 @@ def stack(tmp_path_factory) -> Stack:
             "resources": {"num_gpus": 0, "num_cpus": 1},
             "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
             "engine_args": ENGINE_ARGS,
+        }, {
+            "name": "tiny-diffusiongemma", "kind": "diffusion", "source": "builtin:tiny-diffusiongemma",
+            "resources": {"num_gpus": 0, "num_cpus": 1},
+            "engine_args": {"family": "diffusiongemma", "max_batch": 8},
         }],
     }
     cfg_path = tmp / "config.yaml"

@@ -13,10 +13,10 @@ def tokenizer(stack):
 
 
 def test_models_list_shows_the_model_with_its_kind(stack):
-    models = stack.client().models.list().data
-    assert [m.id for m in models] == [MODEL]
-    card = models[0].model_dump()
-    assert card["kind"] == "autoregressive" and card["max_model_len"] == 512
+    models = {m.id: m.model_dump() for m in stack.client().models.list().data}
+    assert sorted(models) == ["tiny-diffusiongemma", MODEL]
+    assert models[MODEL]["kind"] == "autoregressive" and models[MODEL]["max_model_len"] == 512
+    assert models["tiny-diffusiongemma"]["kind"] == "diffusion"
     assert stack.client().models.retrieve(MODEL).id == MODEL
 
 
