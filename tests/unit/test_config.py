@@ -7,8 +7,9 @@ GOOD = {"models": [{"name": "m", "kind": "autoregressive", "source": "builtin:ti
 
 def test_default_config_loads_and_names_the_tiny_model():
     cfg = load_config()
-    assert [m.name for m in cfg.models] == ["tiny-llama"]
-    assert cfg.models[0].is_builtin() and cfg.models[0].builtin_name() == "tiny-llama"
+    assert [(m.name, m.kind.value) for m in cfg.models] == [("tiny-llama", "autoregressive"),
+                                                           ("tiny-diffusiongemma", "diffusion")]
+    assert all(m.is_builtin() and m.builtin_name() == m.name for m in cfg.models)
     assert cfg.ray.address is None
 
 
