@@ -172,7 +172,8 @@ class DiffusionEngine:
             "steps": st.steps, "row_steps": st.row_steps, "row_steps_waiting": st.row_steps_waiting,
             "blocks_committed": st.blocks_committed, "tokens_committed": st.tokens_committed,
             "encode_passes": st.encode_passes, "aborted": st.aborted, "forward_s": self.loop.stats.forward_s,
-            "busy_s": self.loop.stats.busy_s, "errors": self.loop.stats.errors})
+            "busy_s": self.loop.stats.busy_s, "errors": self.loop.stats.errors,
+            "admitted": self.loop.stats.admitted, "admission_wait_sum_s": self.loop.stats.admission_wait_sum_s})
 
     async def shutdown(self) -> None:
         if self.loop is not None:

@@ -11,6 +11,7 @@ zeros + mask for rows on their first step, and row-wise attention (``attention.p
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,8 @@ class Runner:
         self.rows: dict[str, _Row] = {}
         self._view_key: tuple | None = None
         self._view: tuple[_CacheView, dict[int, list[int]]] | None = None
+        # Random draws do not depend on the forward: a second thread makes them meanwhile.
+        self._noise_pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-noise")
 
     def admit(self, seq: Sequence) -> None:
         gen = torch.Generator(device=self.adapter.device).manual_seed(seq.params.seed)
@@ -94,17 +97,18 @@ class Runner:
             canvas = torch.cat([r.canvas for r in rows])
             positions = torch.stack([torch.arange(r.cur_len, r.cur_len + C, dtype=torch.int32) for r in rows])
             sc_logits, sc_mask = self._self_conditioning(rows)
+            noise = self._noise_pool.submit(self.adapter.draw_noise, [r.generator for r in rows])
             t = time.perf_counter()
             token = ROWS.set(lengths)
             try:
                 logits = self.adapter.decode(canvas, view, positions, sc_logits, sc_mask)
+                forward_s += time.perf_counter() - t
             finally:
                 ROWS.reset(token)
-            forward_s += time.perf_counter() - t
+                draws = noise.result()  # always joined: a row's generator is never used twice at once
             params = [r.seq.params for r in rows]
             steps_left = [r.seq.params.max_denoising_steps - r.seq.step for r in rows]
-            processed, new_canvas, argmax, entropy = self.adapter.sample(
-                logits, canvas, params, steps_left, [r.generator for r in rows])
+            processed, new_canvas, argmax, entropy = self.adapter.sample(logits, canvas, params, steps_left, draws)
             mean_entropy = entropy.mean(-1)
             for b, row in enumerate(rows):
                 p = row.seq.params

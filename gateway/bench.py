@@ -33,8 +33,10 @@ CORPUS = Path(__file__).resolve().parent.parent / "workers" / "data" / "corpus.t
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=["ar"], default="ar", help="ar: tandem vs `vllm serve` (default)")
-    p.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (default: 1,8,32)")
+    p.add_argument("--mode", choices=["ar", "diffusion"], default="ar",
+                   help="ar: tandem vs `vllm serve` (default); diffusion: tandem's batcher vs HF generate()")
+    p.add_argument("--concurrency", default="1,8,32",
+                   help="comma-separated levels (default: 1,8,32; diffusion mode: 1,4,8,16)")
     p.add_argument("--requests", type=int, default=0,
                    help="requests per level (default: max(16, 4 x concurrency))")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: 64)")
@@ -173,6 +175,11 @@ def format_table(results: dict[str, dict[int, LevelResult]], levels: list[int]) 
 
 def main(args: argparse.Namespace) -> int:
     from workers import tiny_models
+
+    if args.mode == "diffusion":
+        from gateway.bench_diffusion import main as diffusion_main
+
+        return diffusion_main(args)
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     levels = [int(x) for x in args.concurrency.split(",")]

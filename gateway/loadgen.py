@@ -33,6 +33,7 @@ class LevelResult:
     ttft_p99_ms: float
     itl_p50_ms: float
     latency_p50_ms: float
+    latency_p99_ms: float = float("nan")
 
     @property
     def requests_per_s(self) -> float:
@@ -114,4 +115,5 @@ async def run_level(base_url: str, bodies: list[dict], concurrency: int, timeout
         ttft_p99_ms=percentile([r.ttft_s for r in ok], 0.99) * ms,
         itl_p50_ms=percentile([g for r in ok for g in r.gaps_s], 0.5) * ms,
         latency_p50_ms=statistics.median([r.latency_s for r in ok]) * ms if ok else float("nan"),
+        latency_p99_ms=percentile([r.latency_s for r in ok], 0.99) * ms,
     )

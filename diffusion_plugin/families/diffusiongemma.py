@@ -81,27 +81,40 @@ class DiffusionGemmaAdapter:
         cur_step = torch.tensor(steps_left, dtype=torch.int32)  # a tensor, exactly as HF (float32 maths)
         return p.t_min + ((p.t_max - p.t_min) * (cur_step / p.max_denoising_steps))
 
+    def draw_noise(self, generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step's random draws for each row, in the reference's order: the multinomial's
+        exponential noise over (C, V), then the renoise tokens. They do not depend on the
+        model's output, so the runner draws them while the forward runs."""
+        C, V = self.canvas_length, self.vocab_size
+        exp_noise = torch.empty((len(generators), C, V), device=self.device)
+        renoise = torch.empty((len(generators), C), dtype=torch.long, device=self.device)
+        for b, g in enumerate(generators):
+            exp_noise[b].exponential_(1, generator=g)
+            renoise[b] = torch.randint(low=0, high=V, size=(1, C), generator=g, device=self.device)[0]
+        return exp_noise, renoise
+
     def sample(self, logits: torch.Tensor, canvas: torch.Tensor, params: list[SamplingParams],
-               steps_left: list[int], generators: list[torch.Generator]):
-        """One denoise step for B rows. Returns (processed logits, new canvas, argmax, entropy)."""
+               steps_left: list[int], noise: tuple[torch.Tensor, torch.Tensor]):
+        """One denoise step for B rows. Returns (processed logits, new canvas, argmax, entropy).
+
+        ``torch.multinomial(p, 1)`` on CPU is ``argmax(p / q)`` with ``q ~ Exp(1)`` drawn by
+        ``exponential_`` on a tensor shaped like ``p`` (its no-replacement fast path); with ``q``
+        pre-drawn from the row's generator the draw is identical (the parity test holds us to it).
+        """
         rows = logits.shape[0]
-        V = self.vocab_size
-        # Per row: the division (keeps HF's exact op on its own 0-dim temperature) and the draws.
+        exp_noise, renoise = noise
+        # The division per row keeps HF's exact op (its own 0-dim float32 temperature).
         processed = torch.cat([logits[b:b + 1] / self.temperature(params[b], steps_left[b]) for b in range(rows)])
         probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+        sampled = torch.argmax(probs / exp_noise, dim=-1)
         argmax = torch.argmax(processed, dim=-1)
         entropy = torch.distributions.Categorical(logits=processed, validate_args=False).entropy()
         sorted_entropy, sorted_idx = torch.sort(entropy, dim=-1, descending=False)
         bounds = torch.tensor([p.entropy_bound for p in params], dtype=entropy.dtype).unsqueeze(-1)
         selection = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= bounds
         accepted = torch.scatter(input=torch.zeros_like(selection), dim=-1, index=sorted_idx, src=selection)
-        new_canvas = torch.empty_like(canvas)
-        for b in range(rows):
-            sampled = torch.multinomial(probs[b].view(-1, V), num_samples=1, generator=generators[b]).view(1, -1)
-            kept = torch.where(accepted[b:b + 1], sampled, canvas[b:b + 1])
-            noise = torch.randint(low=0, high=V, size=(1, self.canvas_length), generator=generators[b],
-                                  device=self.device)
-            new_canvas[b:b + 1] = torch.where(~accepted[b:b + 1], noise, kept)
+        kept = torch.where(accepted, sampled, canvas)
+        new_canvas = torch.where(~accepted, renoise, kept)
         return processed, new_canvas, argmax, entropy
 
     @staticmethod
