@@ -182,10 +182,12 @@ def main(args) -> int:
     levels = [int(x) for x in (args.concurrency if args.concurrency != "1,8,32" else "1,4,8,16").split(",")]
     model_path = str(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA))
     results: dict[str, dict] = {}
+    # HF first: nothing of a server (Ray, its actor) is left running to take CPU from it.
+    hf_seq, hf_static = _hf(model_path, levels, args.max_tokens)
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         for b in ("block", "row"):
             results[f"tandem {b}"] = _tandem(args, model_path, Path(tmp), levels, b)
-    results["hf sequential"], results["hf static batch"] = _hf(model_path, levels, args.max_tokens)
+    results["hf sequential"], results["hf static batch"] = hf_seq, hf_static
     print(f"\nstreaming chat, {MODEL}, {args.max_tokens} output tokens/request, default diffusion settings\n")
     print(format_table(results, levels))
     if args.out:
