@@ -41,15 +41,12 @@ class DiffusionEngine:
         self._requests: dict[str, list[str]] = {}
 
     async def start(self) -> EngineInfo:
-        import torch
-
         from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
         from diffusion_plugin.runner import Runner
         from diffusion_plugin.scheduler import Scheduler
 
-        if self.num_threads:
-            torch.set_num_threads(int(self.num_threads))
-        self.adapter = await asyncio.to_thread(DiffusionGemmaAdapter, self.source, self.dtype)
+        self.adapter = await asyncio.to_thread(DiffusionGemmaAdapter, self.source, self.dtype,
+                                               num_threads=self.num_threads)
         scheduler = Scheduler(self.max_batch, self.adapter.canvas_length, self.row_boundaries)
         self.loop = DiffusionLoop(scheduler, Runner(self.adapter))
         self.loop.start()

@@ -18,9 +18,11 @@ FAMILY = "diffusiongemma"
 
 
 class DiffusionGemmaAdapter:
-    def __init__(self, path: str, dtype: str = "float32", device: str = "cpu"):
+    def __init__(self, path: str, dtype: str = "float32", device: str = "cpu", num_threads: int | None = None):
         from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
 
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
         register()
         self.model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
         self.model.set_attn_implementation(ATTN_NAME)

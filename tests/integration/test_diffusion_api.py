@@ -117,3 +117,11 @@ def test_client_that_disconnects_mid_block_leaves_the_batch(stack):
     while diffusion_engine()["running"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert diffusion_engine()["running"] == 0
+
+
+def test_n_2_gives_two_sequences_with_their_own_seeds(stack):
+    r = stack.client().chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, seed=11, n=2)
+    assert sorted(ch.index for ch in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 40 and r.choices[0].message.content != r.choices[1].message.content
+    one = stack.client().chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, seed=12)
+    assert one.choices[0].message.content == r.choices[1].message.content  # choice i uses seed + i
