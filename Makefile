@@ -5,7 +5,7 @@ VENV   ?= .venv
 EXTRAS ?= cpu,test
 BIN    := $(VENV)/bin
 
-.PHONY: setup models serve test unit bench clean
+.PHONY: setup models prometheus serve test unit bench clean
 
 setup: $(VENV)/.installed
 
@@ -22,7 +22,11 @@ models: setup
 serve: models
 	$(BIN)/tandem serve $(ARGS)
 
-test: models
+# The metrics tests run a real Prometheus (Debian package).
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; }
+
+test: models prometheus
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 unit: setup

@@ -170,7 +170,9 @@ class DiffusionEngine:
             "blocks_committed": st.blocks_committed, "tokens_committed": st.tokens_committed,
             "encode_passes": st.encode_passes, "aborted": st.aborted, "forward_s": self.loop.stats.forward_s,
             "busy_s": self.loop.stats.busy_s, "errors": self.loop.stats.errors,
-            "admitted": self.loop.stats.admitted, "admission_wait_sum_s": self.loop.stats.admission_wait_sum_s})
+            "admitted": self.loop.stats.admitted, "admission_wait_sum_s": self.loop.stats.admission_wait_sum_s,
+            "block_seconds": self.loop.stats.block_seconds, "active_batch": len(s.running),
+            "canvas_occupancy": len(s.running) / s.max_batch})
 
     async def shutdown(self) -> None:
         if self.loop is not None:

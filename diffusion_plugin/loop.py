@@ -31,6 +31,7 @@ class LoopStats:
     busy_s: float = 0.0  # wall time spent in execute() calls
     admitted: int = 0
     admission_wait_sum_s: float = 0.0
+    block_seconds: float = 0.0
     errors: int = 0
 
 
@@ -93,7 +94,7 @@ class DiffusionLoop:
                 now = time.monotonic()
                 for seq_id in batch.admit:
                     seq = self.seqs[seq_id]
-                    seq.admitted_at = now
+                    seq.admitted_at = seq.block_started = now
                     self.stats.admitted += 1
                     self.stats.admission_wait_sum_s += now - seq.arrival
                 if batch.empty():
@@ -119,7 +120,10 @@ class DiffusionLoop:
                     if row.preview is not None and seq is not None and not row.block_done:
                         self._emit(SeqEvent("preview", seq, row.preview, step=seq.step + 1))
                 committed, finished = self.scheduler.update(out)
+                done_at = time.monotonic()
                 for c in committed:
+                    self.stats.block_seconds += done_at - c.seq.block_started
+                    c.seq.block_started = done_at
                     self._emit(SeqEvent("block", c.seq, c.new_ids))
                 for f in finished:
                     self._emit(SeqEvent("finished", f.seq))

@@ -58,6 +58,7 @@ class Sequence:
     block: int = 0  # blocks committed so far
     step: int = 0  # denoise steps run in the current block
     admitted_at: float | None = None
+    block_started: float = 0.0
     error: str | None = None
 
     @property

@@ -10,10 +10,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.errors import ErrorKind, TandemError, invalid
+from gateway.metrics import now
 from gateway.service import Service
 from gateway.streaming import ClientGone, sse_body, until_disconnect
 
@@ -36,9 +38,14 @@ async def _read_json(request: Request) -> dict:
 
 
 async def _generate(request: Request, service: Service, route: str) -> Response:
+    t0 = now()
+    metrics = service.metrics
     body = await _read_json(request)
+    model = metrics.model_label(body.get("model"))
+    request.state.tandem_model = model
     pool = service.router.pool(body.get("model"))
     replica = pool.acquire()
+    metrics.in_flight.labels(model).inc()
     released = False
 
     def release() -> None:
@@ -46,6 +53,7 @@ async def _generate(request: Request, service: Service, route: str) -> Response:
         if not released:
             released = True
             pool.release(replica)
+            metrics.in_flight.labels(model).dec()
 
     request_id = f"{route}-{uuid.uuid4().hex}"
     items = replica.handle.generate(route, body, request_id)
@@ -64,13 +72,56 @@ async def _generate(request: Request, service: Service, route: str) -> Response:
         release()
         raise
     if isinstance(first, str):
-        return StreamingResponse(sse_body(first, items, release), media_type="text/event-stream",
+        metrics.ttft.labels(model).observe(now() - t0)
+        return StreamingResponse(sse_body(first, items, release, _chunk_observer(metrics, model)),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
     await items.aclose()
     release()
     if isinstance(first, TandemError):
         raise first
+    metrics.observe_usage(model, first.get("usage"))
     return JSONResponse(first, headers={"X-Request-Id": request_id})
+
+
+def _chunk_observer(metrics, model: str):
+    last = now()
+
+    def observe(chunk: str) -> None:
+        nonlocal last
+        t = now()
+        metrics.chunk_gap.labels(model).observe(t - last)
+        last = t
+        metrics.observe_sse(model, chunk)
+
+    return observe
+
+
+class MetricsMiddleware:
+    """Counts every request by (model, route template, status class) and times generations."""
+
+    def __init__(self, app, service: Service):
+        self.app = app
+        self.service = service
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = now()
+        status = 500
+
+        async def send_wrapper(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            m = self.service.metrics
+            model = (scope.get("state") or {}).get("tandem_model", "other")
+            m.observe_request(model, m.route_label(scope), status, now() - t0)
 
 
 def build_app(service: Service) -> FastAPI:
@@ -84,9 +135,15 @@ def build_app(service: Service) -> FastAPI:
 
     app = FastAPI(title="tandem", version="0.1.0", lifespan=lifespan)
     app.state.service = service
+    app.add_middleware(MetricsMiddleware, service=service)
 
     @app.exception_handler(TandemError)
     async def _tandem_error(request: Request, exc: TandemError):
+        model = getattr(request.state, "tandem_model", None)
+        if model is None:
+            model = "other"
+            request.state.tandem_model = model
+        service.metrics.observe_rejected(model, exc.kind)
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
@@ -125,6 +182,11 @@ def build_app(service: Service) -> FastAPI:
     async def get_model(model_id: str) -> dict:
         service.router.pool(model_id)  # 404 in the envelope if unknown
         return service.model_card(model_id)
+
+    if service.config.metrics.port is None:
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return PlainTextResponse(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/replicas")
     async def replicas() -> dict:

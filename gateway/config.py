@@ -75,6 +75,13 @@ class GatewayConfig(_Strict):
     )
 
 
+class MetricsConfig(_Strict):
+    port: int | None = Field(
+        None, ge=1, le=65535,
+        description="Serve /metrics on this port only (own listener), instead of on the API port.")
+    host: str = Field("127.0.0.1", description="Address of the separate metrics listener.")
+
+
 class RayConfig(_Strict):
     address: str | None = Field(
         None, description="Absent: start a local Ray. `auto` or an address: join that cluster."
@@ -85,6 +92,7 @@ class RayConfig(_Strict):
 class TandemConfig(_Strict):
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     models: list[ModelConfig] = Field(min_length=1, description="The models to serve.")
     models_dir: Path = Field(REPO_ROOT / "models", description="Where built-in tiny models are built.")
 

@@ -12,6 +12,7 @@ import time
 from typing import Protocol
 
 from gateway.config import ModelConfig, TandemConfig
+from gateway.metrics import Metrics
 from gateway.replicas import Replica, ReplicaState
 from gateway.router import ModelPool, Router
 
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 15.0
 UNHEALTHY_AFTER = 2  # consecutive failed health checks
+STATS_EVERY_S = 2.0
 
 
 class Deployment(Protocol):
@@ -36,6 +38,9 @@ class Service:
         self.router = Router([ModelPool(m.name, m.kind.value) for m in config.models])
         self.started_at = time.monotonic()
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+        self.metrics = Metrics([m.name for m in config.models])
+        self._metrics_server = None
 
     async def start(self) -> None:
         """Create every replica and start them in the background; /ready says when they serve."""
@@ -46,6 +51,13 @@ class Service:
             for replica in pool.replicas:
                 self._tasks.append(asyncio.create_task(self._start_replica(replica)))
         self._tasks.append(asyncio.create_task(self._health_loop()))
+        self._tasks.append(asyncio.create_task(self._stats_loop()))
+        if self.config.metrics.port is not None:
+            from prometheus_client import start_http_server
+
+            self._metrics_server, _ = start_http_server(self.config.metrics.port, self.config.metrics.host,
+                                                        registry=self.metrics.registry)
+            logger.info("metrics on http://%s:%d/metrics", self.config.metrics.host, self.config.metrics.port)
 
     async def _start_replica(self, replica: Replica) -> None:
         t0 = time.monotonic()
@@ -74,11 +86,28 @@ class Service:
 
     async def _health_loop(self) -> None:
         interval = self.config.gateway.health_interval_s
-        while True:
+        while not self._stopping:  # a flag too: 3.11's wait_for can swallow a cancellation
             await asyncio.sleep(interval)
             checks = [self._check(r) for r in self.router.all_replicas()
                       if r.state in (ReplicaState.HEALTHY, ReplicaState.UNHEALTHY)]
             await asyncio.gather(*checks)
+
+    async def _stats_loop(self) -> None:
+        """Poll every replica's engine stats for /metrics (works wherever the actors run)."""
+        interval = min(self.config.gateway.health_interval_s, STATS_EVERY_S)
+        while not self._stopping:
+            rows = []
+            for r in self.router.all_replicas():
+                stats = None
+                if r.state in (ReplicaState.HEALTHY, ReplicaState.UNHEALTHY):
+                    try:
+                        s = await asyncio.wait_for(r.handle.stats(), timeout=interval)
+                        stats = {"running": s.running, "waiting": s.waiting, **s.extra}
+                    except Exception:  # noqa: BLE001 - the health loop judges the replica
+                        stats = None
+                rows.append((r.model, r.id, r.state.value, stats))
+            self.metrics.set_replicas(rows, [s.value for s in ReplicaState])
+            await asyncio.sleep(interval)
 
     async def _check(self, replica: Replica) -> None:
         try:
@@ -96,9 +125,10 @@ class Service:
         replica.state = ReplicaState.HEALTHY
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.wait(self._tasks, timeout=10) if self._tasks else None
         replicas = [r for r in self.router.all_replicas() if r.state is not ReplicaState.FAILED]
         results = await asyncio.gather(
             *(asyncio.wait_for(r.handle.shutdown(), timeout=30) for r in replicas), return_exceptions=True)
@@ -106,6 +136,8 @@ class Service:
             if isinstance(res, BaseException):
                 logger.warning("replica %s: shutdown: %s", r.id, res)
         self.deployment.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
 
     def model_card(self, name: str) -> dict:
         pool = self.router.pools[name]

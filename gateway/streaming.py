@@ -52,7 +52,8 @@ async def _wait_disconnect(receive: Callable) -> None:
             return
 
 
-async def sse_body(first: str, rest: AsyncIterator, on_close: Callable[[], None]) -> AsyncIterator[str]:
+async def sse_body(first: str, rest: AsyncIterator, on_close: Callable[[], None],
+                   on_chunk: Callable[[str], None] | None = None) -> AsyncIterator[str]:
     """The body of a streaming response: engine SSE text, always ending in ``[DONE]``.
 
     A failure after the stream began (replica died, engine error) becomes an error event and
@@ -70,6 +71,8 @@ async def sse_body(first: str, rest: AsyncIterator, on_close: Callable[[], None]
             if not isinstance(chunk, str):
                 logger.error("bug: non-SSE item %r in a stream", type(chunk).__name__)
                 continue
+            if on_chunk is not None:
+                on_chunk(chunk)
             yield chunk
             if chunk.endswith(DONE):
                 return

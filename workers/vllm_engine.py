@@ -62,6 +62,41 @@ async def _once(item: Item) -> AsyncIterator[Item]:
     yield item
 
 
+class _Totals:
+    """vLLM's own per-step stats, accumulated (a StatLoggerBase fed by AsyncLLM): tandem does
+    not count tokens itself, so nothing is counted twice."""
+
+    def __init__(self) -> None:
+        self.values = {"waiting": 0, "kv_cache_usage": 0.0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                       "prompt_tokens": 0, "generation_tokens": 0, "scheduler_running": 0}
+
+    def factory(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        totals = self
+
+        class TandemStatLogger(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                v = totals.values
+                if scheduler_stats is not None:
+                    v["scheduler_running"] = scheduler_stats.num_running_reqs
+                    v["waiting"] = scheduler_stats.num_waiting_reqs
+                    v["kv_cache_usage"] = scheduler_stats.kv_cache_usage
+                    v["prefix_cache_queries"] += scheduler_stats.prefix_cache_stats.queries
+                    v["prefix_cache_hits"] += scheduler_stats.prefix_cache_stats.hits
+                if iteration_stats is not None:
+                    v["prompt_tokens"] += iteration_stats.num_prompt_tokens
+                    v["generation_tokens"] += iteration_stats.num_generation_tokens
+
+            def log_engine_initialized(self):
+                pass
+
+        return TandemStatLogger
+
+
 class VllmEngine:
     """Implements ``workers.protocol.Engine`` with vLLM."""
 
@@ -72,6 +107,7 @@ class VllmEngine:
         self.engine_args = dict(engine_args)
         self._llm = None
         self._state = None
+        self._totals = _Totals()
 
     async def start(self) -> EngineInfo:
         from starlette.datastructures import State
@@ -88,6 +124,7 @@ class VllmEngine:
             usage_context=UsageContext.OPENAI_API_SERVER,
             enable_log_requests=eargs.enable_log_requests,
             disable_log_stats=eargs.disable_log_stats,
+            stat_loggers=[self._totals.factory()],
         )
         supported = await self._llm.get_supported_tasks()
         self._state = State()
@@ -157,7 +194,8 @@ class VllmEngine:
         if self._llm is None:
             return EngineStats(running=0)
         running = self._llm.output_processor.get_num_unfinished_requests()
-        return EngineStats(running=running)
+        extra = dict(self._totals.values)
+        return EngineStats(running=running, waiting=extra.pop("waiting"), extra=extra)
 
     async def shutdown(self) -> None:
         if self._llm is not None:

@@ -43,4 +43,8 @@ def fake_gateway(engine_args: dict | None = None, replicas: int = 1, models: tup
         yield f"http://127.0.0.1:{port}", service, deployment
     finally:
         server.should_exit = True
+        thread.join(3)
+        if thread.is_alive():
+            import faulthandler, sys
+            faulthandler.dump_traceback(sys.stderr)
         thread.join(10)

@@ -1,0 +1,164 @@
+"""Prometheus metrics: the gateway's own, and the engines' (collected from the replicas).
+
+Labels come from bounded sets only: ``model`` (a configured name, else ``other``), ``route``
+(a route template, else ``other``), ``status`` (a status class, ``2xx``...), ``replica`` (a
+replica id), ``state`` and ``reason`` (enums). No user, key, prompt or raw path becomes a label.
+
+Engine metrics reach Prometheus through the gateway: it polls every replica's ``stats()`` over
+Ray (wherever the actor runs, any node) and exports the latest snapshot. One scrape target per
+gateway, nothing to discover per node.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from gateway.errors import ErrorKind
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id:path}", "/health", "/ready",
+          "/metrics", "/admin/replicas")
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+STATUS_CLASSES = ("2xx", "4xx", "5xx")
+REJECT_REASONS = {
+    ErrorKind.INVALID_REQUEST: "invalid", ErrorKind.CONTEXT_TOO_LONG: "context_too_long",
+    ErrorKind.MODEL_NOT_FOUND: "unknown_model", ErrorKind.OVERLOADED: "overloaded",
+    ErrorKind.NO_REPLICA: "no_replica",
+}
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+# Engine stats -> exported metric: (name, kind, help). Counters are cumulative in the engine.
+ENGINE_METRICS = {
+    "running": ("tandem_engine_requests_running", "gauge", "Requests the engine holds (running)."),
+    "waiting": ("tandem_engine_requests_waiting", "gauge", "Requests waiting inside the engine."),
+    "kv_cache_usage": ("tandem_engine_kv_cache_usage_ratio", "gauge", "vLLM KV-cache usage (0-1)."),
+    "prefix_cache_queries": ("tandem_engine_prefix_cache_queries", "counter", "vLLM prefix-cache queried tokens."),
+    "prefix_cache_hits": ("tandem_engine_prefix_cache_hits", "counter", "vLLM prefix-cache hit tokens."),
+    "prompt_tokens": ("tandem_engine_prompt_tokens", "counter", "Prompt tokens the engine processed."),
+    "generation_tokens": ("tandem_engine_generation_tokens", "counter", "Tokens the engine generated."),
+    "active_batch": ("tandem_diffusion_active_batch", "gauge", "Sequences in the diffusion batch."),
+    "canvas_occupancy": ("tandem_diffusion_canvas_occupancy_ratio", "gauge", "Active sequences / max_batch."),
+    "admitted": ("tandem_diffusion_admitted", "counter", "Sequences admitted into the batch."),
+    "admission_wait_sum_s": ("tandem_diffusion_admission_wait_seconds", "counter",
+                             "Total seconds sequences waited to be admitted (divide by admitted)."),
+    "steps": ("tandem_diffusion_decoder_forwards", "counter", "Batched decoder forwards (denoise steps)."),
+    "row_steps": ("tandem_diffusion_row_steps", "counter", "Sequence-steps denoised (rows x forwards)."),
+    "row_steps_waiting": ("tandem_diffusion_row_steps_waiting", "counter",
+                          "Converged rows idle until their block boundary (block mode)."),
+    "blocks_committed": ("tandem_diffusion_blocks_committed", "counter", "Blocks committed."),
+    "block_seconds": ("tandem_diffusion_block_seconds", "counter", "Total block latency (divide by blocks)."),
+    "tokens_committed": ("tandem_diffusion_tokens_committed", "counter", "Tokens committed."),
+    "aborted": ("tandem_diffusion_cancelled", "counter", "Sequences cancelled (client gone, stop)."),
+    "forward_s": ("tandem_diffusion_forward_seconds", "counter", "Seconds inside model forwards."),
+    "busy_s": ("tandem_diffusion_busy_seconds", "counter", "Seconds inside batcher steps."),
+    "errors": ("tandem_diffusion_failed_batches", "counter", "Batched steps that failed."),
+}
+
+
+class Metrics:
+    def __init__(self, models: list[str]):
+        self.models = set(models)
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("tandem_requests", "HTTP requests by model, route and status class.",
+                                ["model", "route", "status"], registry=r)
+        self.duration = Histogram("tandem_request_duration_seconds", "Request duration, to the last byte.",
+                                  ["model", "route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Streaming: time to the first chunk.",
+                              ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.chunk_gap = Histogram("tandem_time_between_chunks_seconds", "Streaming: time between chunks.",
+                                   ["model"], buckets=GAP_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens reported in responses' usage.",
+                                     ["model"], registry=r)
+        self.output_tokens = Counter("tandem_output_tokens", "Completion tokens reported in responses' usage.",
+                                     ["model"], registry=r)
+        self.in_flight = Gauge("tandem_requests_in_flight", "Generation requests being served.", ["model"], registry=r)
+        self.queued = Gauge("tandem_requests_queued", "Generation requests waiting in the gateway.", ["model"],
+                            registry=r)
+        self.rejected = Counter("tandem_requests_rejected", "Requests refused before reaching an engine.",
+                                ["model", "reason"], registry=r)
+        self.replicas = Gauge("tandem_replicas", "Replicas by state.", ["model", "state"], registry=r)
+        for m in [*self.models, "other"]:  # every series exists from the start (at 0)
+            for route in (*ROUTES, "other"):
+                for status in STATUS_CLASSES:
+                    self.requests.labels(m, route, status)
+            for route in GENERATION_ROUTES:
+                self.duration.labels(m, route)
+            for child in (self.ttft, self.chunk_gap, self.prompt_tokens, self.output_tokens, self.in_flight,
+                          self.queued):
+                child.labels(m)
+            for reason in set(REJECT_REASONS.values()):
+                self.rejected.labels(m, reason)
+        self._engines = _EngineCollector()
+        r.register(self._engines)
+
+    def model_label(self, model: object) -> str:
+        return model if isinstance(model, str) and model in self.models else "other"
+
+    @staticmethod
+    def route_label(scope: dict) -> str:
+        route = scope.get("route")
+        path = getattr(route, "path", None)
+        return path if path in ROUTES else "other"
+
+    def observe_request(self, model: str, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(model, route, f"{status // 100}xx" if 200 <= status < 600 else "5xx").inc()
+        if route in GENERATION_ROUTES:
+            self.duration.labels(model, route).observe(seconds)
+
+    def observe_rejected(self, model: str, kind: ErrorKind) -> None:
+        reason = REJECT_REASONS.get(kind)
+        if reason is not None:
+            self.rejected.labels(model, reason).inc()
+
+    def observe_usage(self, model: str, usage: dict | None) -> None:
+        if usage:
+            self.prompt_tokens.labels(model).inc(usage.get("prompt_tokens") or 0)
+            self.output_tokens.labels(model).inc(usage.get("completion_tokens") or 0)
+
+    def observe_sse(self, model: str, chunk: str) -> None:
+        """Usage is reported in the stream's last data events, when the client asked for it."""
+        if '"usage"' not in chunk:
+            return
+        for line in chunk.split("\n"):
+            if line.startswith("data: {") and '"usage"' in line:
+                try:
+                    self.observe_usage(model, json.loads(line[6:]).get("usage"))
+                except ValueError:
+                    pass
+
+    def set_replicas(self, rows: list[tuple[str, str, str, dict | None]], states: list[str]) -> None:
+        """rows: (model, replica id, state, engine stats or None)."""
+        for m in self.models:
+            for s in states:
+                self.replicas.labels(m, s).set(sum(1 for r in rows if r[0] == m and r[2] == s))
+        self._engines.rows = rows
+
+
+class _EngineCollector:
+    """Exports the latest engine snapshot of every replica (polled by the service)."""
+
+    def __init__(self):
+        self.rows: list[tuple[str, str, str, dict | None]] = []
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        families = {}
+        for key, (name, kind, doc) in ENGINE_METRICS.items():
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            families[key] = cls(name, doc, labels=["model", "replica"])
+        for model, replica, _, stats in self.rows:
+            for key, value in (stats or {}).items():
+                if key in families and isinstance(value, (int, float)):
+                    families[key].add_metric([model, replica], float(value))
+        yield from families.values()
+
+
+def now() -> float:
+    return time.perf_counter()

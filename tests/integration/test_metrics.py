@@ -1,0 +1,149 @@
+"""Metrics against a real Prometheus scraping the real stack (AR and diffusion models)."""
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.unit.gateway_server import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARD = REPO / "deploy" / "grafana" / "tandem-dashboard.json"
+
+
+def _metrics(stack) -> str:
+    return httpx.get(stack.url + "/metrics", timeout=10).text
+
+
+def _value(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _series(text: str) -> set[str]:
+    return {line.rsplit(" ", 1)[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+@pytest.fixture(scope="module")
+def prometheus(stack, tmp_path_factory):
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is not installed (make test / .ci/run install the Debian package)"
+    tmp = tmp_path_factory.mktemp("prometheus")
+    port = free_port()
+    target = stack.url.removeprefix("http://")
+    (tmp / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"scrape_configs:\n  - job_name: tandem\n    static_configs:\n      - targets: ['{target}']\n")
+    proc = subprocess.Popen([binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=(tmp / "log").open("w"),
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, (tmp / "log").read_text()[-2000:]
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _load(stack) -> dict:
+    """A bounded load through both models; returns the usage the responses reported."""
+    c = stack.client()
+    usage = {"tiny-llama": [0, 0], "tiny-diffusiongemma": [0, 0]}
+    for model, n in (("tiny-llama", 6), ("tiny-diffusiongemma", 3)):
+        for i in range(n):
+            msgs = [{"role": "user", "content": f"hello {i}"}]
+            if i % 2:
+                chunks = list(c.chat.completions.create(model=model, messages=msgs, max_tokens=12, stream=True,
+                                                        stream_options={"include_usage": True}))
+                u = chunks[-1].usage
+            else:
+                u = c.chat.completions.create(model=model, messages=msgs, max_tokens=12).usage
+            usage[model][0] += u.prompt_tokens
+            usage[model][1] += u.completion_tokens
+    return usage
+
+
+def test_counters_match_the_responses(stack):
+    before = _metrics(stack)
+    usage = _load(stack)
+    after = _metrics(stack)
+    for model, n in (("tiny-llama", 6), ("tiny-diffusiongemma", 3)):
+        delta = (_value(after, "tandem_requests_total", model=model, route="/v1/chat/completions", status="2xx")
+                 - _value(before, "tandem_requests_total", model=model, route="/v1/chat/completions", status="2xx"))
+        assert delta == n, model
+        for metric, i in (("tandem_prompt_tokens_total", 0), ("tandem_output_tokens_total", 1)):
+            got = _value(after, metric, model=model) - _value(before, metric, model=model)
+            assert got == usage[model][i], (model, metric)
+        ttft = (_value(after, "tandem_time_to_first_token_seconds_count", model=model)
+                - _value(before, "tandem_time_to_first_token_seconds_count", model=model))
+        assert ttft == n // 2  # the streamed half
+    # vLLM's own token counters (through the gateway's replica poll) saw at least these tokens.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        gen = _value(_metrics(stack), "tandem_engine_generation_tokens_total", model="tiny-llama") \
+            - _value(before, "tandem_engine_generation_tokens_total", model="tiny-llama")
+        if gen >= usage["tiny-llama"][1]:
+            break
+        time.sleep(0.5)
+    assert gen >= usage["tiny-llama"][1]
+
+
+def test_unknown_models_and_random_paths_do_not_grow_the_series(stack):
+    _load(stack)
+    httpx.post(stack.url + "/v1/chat/completions", json={"model": "warm-up", "messages": []})
+    httpx.get(stack.url + "/warm/up/path")
+    before = _series(_metrics(stack))
+    for i in range(20):
+        httpx.post(stack.url + "/v1/chat/completions", json={"model": f"nope-{i}", "messages": []})
+        httpx.get(stack.url + f"/random/{i}/path?x={i}")
+        httpx.post(stack.url + f"/v1/{i}")
+    after = _series(_metrics(stack))
+    assert after == before, sorted(after ^ before)[:10]
+    text = _metrics(stack)
+    assert "nope-" not in text and "/random/" not in text
+    assert _value(text, "tandem_requests_rejected_total", model="other", reason="unknown_model") >= 20
+
+
+def test_every_dashboard_expression_returns_data(stack, prometheus):
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 20
+    # A bounded load while Prometheus scrapes every second; a cancelled diffusion request too.
+    _load(stack)
+    with httpx.stream("POST", stack.url + "/v1/chat/completions",
+                      json={"model": "tiny-diffusiongemma", "messages": [{"role": "user", "content": "x"}],
+                            "stream": True, "max_tokens": 64, "diffusion": {"max_denoising_steps": 300}}) as r:
+        next(r.iter_lines())
+    time.sleep(4)
+    _load(stack)
+    time.sleep(3)
+    empty = []
+    for expr in exprs:
+        r = httpx.get(prometheus + "/api/v1/query", params={"query": expr}, timeout=10).json()
+        assert r["status"] == "success", (expr, r)
+        if not r["data"]["result"]:
+            empty.append(expr)
+    assert not empty, f"{len(empty)} dashboard expressions returned no data: {empty}"
+    # The series are per configured model and per replica, never per request.
+    r = httpx.get(prometheus + "/api/v1/query", params={"query": "count by (model) (tandem_requests_total)"}).json()
+    assert {s["metric"]["model"] for s in r["data"]["result"]} == {"tiny-llama", "tiny-diffusiongemma", "other"}
+    assert re.match(r"tiny-llama/\d+", httpx.get(prometheus + "/api/v1/query", params={
+        "query": "tandem_engine_kv_cache_usage_ratio"}).json()["data"]["result"][0]["metric"]["replica"])
