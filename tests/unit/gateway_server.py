@@ -22,9 +22,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def fake_gateway(engine_args: dict | None = None, replicas: int = 1, models: tuple[str, ...] = ("fake",)):
+def fake_gateway(engine_args: dict | None = None, replicas: int = 1, models: tuple[str, ...] = ("fake",),
+                 extra: dict | None = None):
     port = free_port()
     config = parse_config({
+        **(extra or {}),
         "gateway": {"port": port, "health_interval_s": 0.2},
         "models": [{"name": m, "kind": "autoregressive", "source": "none", "replicas": replicas} for m in models],
     })

@@ -135,3 +135,30 @@ def test_engine_failure_before_output_is_500_and_server_keeps_serving():
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
         assert "Traceback" not in r.text
         assert httpx.get(url + "/health").status_code == 200
+
+
+def test_metrics_can_live_on_their_own_port():
+    from tests.unit.gateway_server import free_port
+
+    mport = free_port()
+    with fake_gateway({"num_tokens": 2}, extra={"metrics": {"port": mport}}) as (url, _, _):
+        httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "p"})
+        assert httpx.get(url + "/metrics").status_code == 404  # not on the API port
+        text = httpx.get(f"http://127.0.0.1:{mport}/metrics").text
+        assert 'tandem_requests_total{model="fake",route="/v1/completions",status="2xx"} 1.0' in text
+
+
+def test_metrics_count_requests_and_rejections_on_the_api_port(gw):
+    url, _, _ = gw
+    def value(name, **labels):
+        for line in httpx.get(url + "/metrics").text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+    ok0 = value("tandem_requests_total", model="fake", route="/v1/chat/completions", status="2xx")
+    bad0 = value("tandem_requests_rejected_total", model="other", reason="unknown_model")
+    for _ in range(3):
+        httpx.post(url + "/v1/chat/completions", json={"model": "fake", "messages": [{"role": "user", "content": "x"}]})
+    httpx.post(url + "/v1/chat/completions", json={"model": "zzz", "messages": []})
+    assert value("tandem_requests_total", model="fake", route="/v1/chat/completions", status="2xx") == ok0 + 3
+    assert value("tandem_requests_rejected_total", model="other", reason="unknown_model") == bad0 + 1
