@@ -27,6 +27,7 @@ prometheus:
 	@command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; }
 
 test: models prometheus
+	$(BIN)/ruff check gateway workers diffusion_plugin tests
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 unit: setup

@@ -17,7 +17,7 @@ from typing import Any
 
 from diffusion_plugin import params as P
 from diffusion_plugin.loop import DiffusionLoop, SeqEvent
-from diffusion_plugin.request import FINISH_REASON, SamplingParams, Sequence, SeqStatus
+from diffusion_plugin.request import FINISH_REASON, SamplingParams, SeqStatus, Sequence
 from gateway.errors import ErrorKind, TandemError
 from workers.protocol import DONE, EngineInfo, EngineStats, Item
 

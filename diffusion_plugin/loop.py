@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from diffusion_plugin.request import FINISH_REASON, Sequence, SeqStatus
+from diffusion_plugin.request import FINISH_REASON, SeqStatus, Sequence
 from diffusion_plugin.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)

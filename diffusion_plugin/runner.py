@@ -151,8 +151,8 @@ class Runner:
         return view, lengths
 
     def _can_slice(self, key) -> bool:
-        old = dict(zip(*self._view_key))
-        return all(old.get(s) == v for s, v in zip(*key))
+        old = dict(zip(*self._view_key, strict=True))
+        return all(old.get(s) == v for s, v in zip(*key, strict=True))
 
     def _slice(self, key):
         old_ids = list(self._view_key[0])

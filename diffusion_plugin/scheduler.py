@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from diffusion_plugin.batch import StepBatch, StepOutput
-from diffusion_plugin.request import Sequence, SeqStatus
+from diffusion_plugin.request import SeqStatus, Sequence
 
 
 @dataclass

@@ -75,7 +75,7 @@ class Server:
         self.env = env
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         logger.info("starting %s: %s (log: %s)", self.name, " ".join(self.argv), self.log)
         self.proc = subprocess.Popen(self.argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
                                      env=self.env, process_group=0)

@@ -25,7 +25,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"tandem: {e}", file=sys.stderr)
         return 2
-    gw = config.gateway.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    gw = config.gateway.model_copy(update=overrides)
     config = config.model_copy(update={"gateway": gw})
 
     from gateway.app import build_app

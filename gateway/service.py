@@ -132,7 +132,7 @@ class Service:
         replicas = [r for r in self.router.all_replicas() if r.state is not ReplicaState.FAILED]
         results = await asyncio.gather(
             *(asyncio.wait_for(r.handle.shutdown(), timeout=30) for r in replicas), return_exceptions=True)
-        for r, res in zip(replicas, results):
+        for r, res in zip(replicas, results, strict=True):
             if isinstance(res, BaseException):
                 logger.warning("replica %s: shutdown: %s", r.id, res)
         self.deployment.close()

@@ -72,7 +72,7 @@ class EngineActor:
                 try:
                     await asyncio.wait_for(self._channel_opened.wait_for(lambda: channel_id in self._channels),
                                            CHANNEL_WAIT_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise TandemError(ErrorKind.ENGINE_ERROR, "the gateway's channel to this replica is not open") \
                         from None
         return self._channels[channel_id]

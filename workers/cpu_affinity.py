@@ -25,7 +25,8 @@ def vllm_worker_cores() -> set[int]:
     for proc in psutil.process_iter(["name", "cmdline"]):
         try:
             name = proc.info["name"] or ""
-            if not name.startswith(WORKER_PREFIX) and not " ".join(proc.info["cmdline"] or []).startswith(WORKER_PREFIX):
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if not name.startswith(WORKER_PREFIX) and not cmdline.startswith(WORKER_PREFIX):
                 continue
             affinity = set(proc.cpu_affinity())
         except (psutil.Error, OSError):

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, Union, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from gateway.errors import TandemError
 
 Route = Literal["chat", "completions"]
-Item = Union[TandemError, dict, str]
+Item = TandemError | dict | str
 DONE = "data: [DONE]\n\n"
 
 

@@ -24,7 +24,8 @@ class DiffusionGemmaAdapter:
         if num_threads:
             torch.set_num_threads(int(num_threads))
         register()
-        self.model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=getattr(torch, dtype))
+        self.model = model.to(device).eval()
         self.model.set_attn_implementation(ATTN_NAME)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         cfg = self.model.config

@@ -47,9 +47,9 @@ def test_parity_with_vllm_offline(stack):
         return await asyncio.gather(*comps), await asyncio.gather(*chats)  # concurrently: they share batches
 
     comps, chats = asyncio.run(tandem())
-    for i, (got, want) in enumerate(zip(comps, ref["completions"])):
+    for i, (got, want) in enumerate(zip(comps, ref["completions"], strict=True)):
         assert got.choices[0].model_extra["token_ids"] == want["token_ids"], f"completion {i}: {PROMPTS[i]!r}"
         assert got.choices[0].text == want["text"]
-    for i, (got, want) in enumerate(zip(chats, ref["chats"])):
+    for i, (got, want) in enumerate(zip(chats, ref["chats"], strict=True)):
         assert got.choices[0].model_extra["token_ids"] == want["token_ids"], f"chat {i}: {PROMPTS[i]!r}"
         assert got.choices[0].message.content == want["text"]

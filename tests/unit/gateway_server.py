@@ -47,6 +47,7 @@ def fake_gateway(engine_args: dict | None = None, replicas: int = 1, models: tup
         server.should_exit = True
         thread.join(3)
         if thread.is_alive():
-            import faulthandler, sys
+            import faulthandler
+            import sys
             faulthandler.dump_traceback(sys.stderr)
         thread.join(10)

@@ -1,7 +1,7 @@
 """The diffusion scheduler's decisions, with a fake denoiser (no torch)."""
 
 from diffusion_plugin.batch import RowOutput, StepOutput
-from diffusion_plugin.request import SamplingParams, Sequence, SeqStatus
+from diffusion_plugin.request import SamplingParams, SeqStatus, Sequence
 from diffusion_plugin.scheduler import Scheduler
 
 C = 4
