@@ -15,12 +15,49 @@ import torch
 
 ATTN_NAME = "tandem_rowwise"
 ROWS: ContextVar[dict[int, list[int]] | None] = ContextVar("tandem_rows", default=None)
+# Batched encoder passes: per row, its own K/V (written to its own cache) and its own mask.
+ENCODE: ContextVar["EncodeSpec | None"] = ContextVar("tandem_encode", default=None)
+
+
+class EncodeSpec:
+    """Rows of a batched encoder pass: queries are left-padded to the longest row."""
+
+    def __init__(self, caches: list, lengths: list[int], masks: list[dict]):
+        self.caches, self.lengths, self.masks = caches, lengths, masks
+        self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+class EncodeCacheView:
+    """Passed as ``past_key_values`` to a batched encoder pass: each row's new K/V go into its
+    own cache (exactly the ``update`` a lone sequence makes); attention reads them back per row."""
+
+    is_compileable = False
+
+    def __init__(self, spec: EncodeSpec):
+        self.spec = spec
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        total = key_states.shape[2]
+        self.spec.kv[layer_idx] = [
+            cache.update(key_states[b:b + 1, :, total - n:], value_states[b:b + 1, :, total - n:], layer_idx)
+            for b, (cache, n) in enumerate(zip(self.spec.caches, self.spec.lengths, strict=True))]
+        return key_states, value_states
 _registered = False
 
 
 def rowwise_attention(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    enc = ENCODE.get()
+    if enc is not None:
+        total = query.shape[2]
+        outs = []
+        for b, n in enumerate(enc.lengths):
+            k, v = enc.kv[module.layer_idx][b]
+            mask = enc.masks[b][module.layer_type]
+            out = sdpa_attention_forward(module, query[b:b + 1, :, total - n:], k, v, mask, **kwargs)[0]
+            outs.append(torch.nn.functional.pad(out, (0, 0, 0, 0, total - n, 0)))  # back to the left-padded length
+        return torch.cat(outs, dim=0), None
     spec = ROWS.get()
     if spec is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

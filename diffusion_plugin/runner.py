@@ -2,8 +2,8 @@
 
 Per sequence: its own KV cache (prompt + committed blocks), canvas, self-conditioning logits,
 stability history, step count and random generator, freed when it leaves. Nothing is
-preallocated per ``max_batch``. Per step: encoder passes (one per sequence, exact), then ONE
-batched decoder forward over every row being denoised: a left-padded K/V view of the rows'
+preallocated per ``max_batch``. Per step: ONE batched encoder pass (prefills and commits, each
+row with its own mask into its own cache), then ONE batched decoder forward over every row being denoised: a left-padded K/V view of the rows'
 caches (built once per block and sliced as rows leave), per-row positions, self-conditioning
 zeros + mask for rows on their first step, and row-wise attention (``attention.py``).
 """
@@ -80,12 +80,15 @@ class Runner:
             self.admit(seqs[seq_id])
         forward_s = 0.0
         C = self.adapter.canvas_length
-        # 1. Encoder passes: write each sequence's cache, then draw its new canvas.
-        for seq_id in batch.encode:
-            row = self.rows[seq_id]
+        # 1. One batched encoder pass (prefills and commits) writes each sequence's cache,
+        #    then each draws its new canvas.
+        encoding = [self.rows[s] for s in batch.encode]
+        if encoding:
             t = time.perf_counter()
-            self.adapter.encode(row.cache, row.pending)
+            self.adapter.encode([r.cache for r in encoding], [r.pending for r in encoding],
+                                [r.cur_len for r in encoding])
             forward_s += time.perf_counter() - t
+        for row in encoding:
             row.cur_len += row.pending.shape[1]
             row.version += 1
             row.canvas = self.adapter.init_canvas(row.generator)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from diffusion_plugin.attention import ATTN_NAME, register
+from diffusion_plugin.attention import ATTN_NAME, ENCODE, EncodeCacheView, EncodeSpec, register
 from diffusion_plugin.request import SamplingParams
 
 FAMILY = "diffusiongemma"
@@ -62,9 +62,32 @@ class DiffusionGemmaAdapter:
 
     # -- model calls ------------------------------------------------------------------
     @torch.no_grad()
-    def encode(self, cache, token_ids: torch.Tensor) -> None:
-        """Causal encoder pass of one sequence (prefill, or the previous block's commit); writes its cache."""
-        self.model.model.encoder(input_ids=token_ids, past_key_values=cache)
+    def encode(self, caches: list, token_ids: list[torch.Tensor], starts: list[int]) -> None:
+        """One batched causal encoder pass (prefills and commits of several sequences); each
+        row's K/V go to its own cache, with the mask that row would get alone."""
+        cfg = self.model.config
+        encoder = self.model.model.encoder
+        lengths = [t.shape[1] for t in token_ids]
+        longest = max(lengths)
+        masks, ids, positions = [], [], []
+        pad = self.tokenizer.pad_token_id or 0
+        for cache, toks, start in zip(caches, token_ids, starts, strict=True):
+            n = toks.shape[1]
+            pos = torch.arange(start, start + n, dtype=torch.int32, device=self.device).unsqueeze(0)
+            masks.append(encoder.create_masks_for_generate(
+                config=cfg, inputs_embeds=torch.empty((1, n, 0), dtype=self.model.dtype, device=self.device),
+                attention_mask=torch.ones((1, start + n), dtype=torch.bool, device=self.device),
+                past_key_values=cache, position_ids=pos))
+            ids.append(torch.nn.functional.pad(toks, (longest - n, 0), value=pad))
+            positions.append(torch.nn.functional.pad(pos, (longest - n, 0), value=0))
+        spec = EncodeSpec(caches, lengths, masks)
+        token = ENCODE.set(spec)
+        try:
+            placeholder = {t: None for t in set(self.layer_types)}  # real masks are per row, in the spec
+            encoder(input_ids=torch.cat(ids), attention_mask=placeholder, past_key_values=EncodeCacheView(spec),
+                    position_ids=torch.cat(positions))
+        finally:
+            ENCODE.reset(token)
 
     @torch.no_grad()
     def decode(self, canvas: torch.Tensor, view, positions: torch.Tensor, sc_logits: torch.Tensor | None,

@@ -1,7 +1,7 @@
 """The real batcher (scheduler + runner + DiffusionGemma adapter) against HF generate().
 
 Six prompts of different lengths join at different steps (so at different blocks of the
-others) and share batched forwards; each must give exactly the tokens HF's generate() gives
+others) and share batched decoder forwards and batched encoder passes (prefills and commits); each must give exactly the tokens HF's generate() gives
 for that prompt alone after seeding the same way, up to max_tokens or EOS.
 """
 
@@ -50,7 +50,7 @@ def test_batched_equals_hf_generate_alone(adapter, knobs):
     assert len({len(p) for p in prompts}) == len(prompts)
     params = {**adapter.defaults(), **knobs}
     sched, runner = Scheduler(max_batch=4, canvas_length=adapter.canvas_length), Runner(adapter)
-    seqs, widest, joined_mid_run = {}, 0, set()
+    seqs, widest, joined_mid_run, mixed_encodes = {}, 0, set(), 0
     step = 0
     while step <= max(ARRIVALS) or sched.has_work():
         for i in ARRIVALS.get(step, []):
@@ -62,11 +62,14 @@ def test_batched_equals_hf_generate_alone(adapter, knobs):
         if batch.admit and any(s.block > 0 for s in sched.running.values()):
             joined_mid_run.update(batch.admit)
         widest = max(widest, len(batch.denoise))
+        if len({seqs[s].num_cached for s in batch.encode}) > 1:
+            mixed_encodes += 1  # one batched encoder pass over rows of different lengths
         if not batch.empty():
             sched.update(runner.execute(batch, seqs))
         step += 1
     assert widest >= 3, "the sequences must share batched forwards"
     assert joined_mid_run, "some sequences must join while others are past their first block"
+    assert mixed_encodes >= 2, "prefills/commits of different lengths must share encoder passes"
     for i, prompt in enumerate(prompts):
         want = _reference(adapter, prompt, 100 + i, knobs)
         assert seqs[f"s{i}"].output_ids == want, f"prompt {i} ({len(prompt)} tokens) differs from HF generate()"
