@@ -16,7 +16,7 @@ import torch
 ATTN_NAME = "tandem_rowwise"
 ROWS: ContextVar[dict[int, list[int]] | None] = ContextVar("tandem_rows", default=None)
 # Batched encoder passes: per row, its own K/V (written to its own cache) and its own mask.
-ENCODE: ContextVar["EncodeSpec | None"] = ContextVar("tandem_encode", default=None)
+ENCODE: ContextVar[EncodeSpec | None] = ContextVar("tandem_encode", default=None)
 
 
 class EncodeSpec:

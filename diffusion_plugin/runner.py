@@ -3,9 +3,11 @@
 Per sequence: its own KV cache (prompt + committed blocks), canvas, self-conditioning logits,
 stability history, step count and random generator, freed when it leaves. Nothing is
 preallocated per ``max_batch``. Per step: ONE batched encoder pass (prefills and commits, each
-row with its own mask into its own cache), then ONE batched decoder forward over every row being denoised: a left-padded K/V view of the rows'
-caches (built once per block and sliced as rows leave), per-row positions, self-conditioning
-zeros + mask for rows on their first step, and row-wise attention (``attention.py``).
+row with its own mask into its own cache), then ONE batched decoder forward over every row
+being denoised: a left-padded K/V view of the rows' caches (built once per block and sliced as
+rows leave), per-row positions, self-conditioning zeros + mask for rows on their first step,
+and row-wise attention (``attention.py``). Each step's random draws are made in a second
+thread while the forward runs (they depend only on each row's generator).
 """
 
 from __future__ import annotations
