@@ -22,8 +22,8 @@ from gateway.streaming import ClientGone, sse_body, until_disconnect
 logger = logging.getLogger(__name__)
 
 
-def error_response(err: TandemError, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(err.envelope(), status_code=err.status, headers=headers)
+def error_response(err: TandemError) -> JSONResponse:
+    return JSONResponse(err.envelope(), status_code=err.status, headers=err.headers() or None)
 
 
 async def _read_json(request: Request) -> dict:
@@ -43,8 +43,11 @@ async def _generate(request: Request, service: Service, route: str) -> Response:
     body = await _read_json(request)
     model = metrics.model_label(body.get("model"))
     request.state.tandem_model = model
+    if service.draining:
+        raise TandemError(ErrorKind.SHUTTING_DOWN, "the server is shutting down; retry on another instance",
+                          retry_after=1)
     pool = service.router.pool(body.get("model"))
-    replica = pool.acquire()
+    replica = await pool.acquire(_deadline(request))
     metrics.in_flight.labels(model).inc()
     released = False
 
@@ -82,6 +85,23 @@ async def _generate(request: Request, service: Service, route: str) -> Response:
         raise first
     metrics.observe_usage(model, first.get("usage"))
     return JSONResponse(first, headers={"X-Request-Id": request_id})
+
+
+DEADLINE_HEADER = "x-tandem-queue-deadline-ms"
+
+
+def _deadline(request: Request) -> float | None:
+    """The client's limit on time spent waiting in the gateway's queue (408 past it)."""
+    raw = request.headers.get(DEADLINE_HEADER)
+    if raw is None:
+        return None
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise invalid(f"header {DEADLINE_HEADER}: a number of milliseconds is required", DEADLINE_HEADER) from None
+    if not ms > 0:
+        raise invalid(f"header {DEADLINE_HEADER}: must be positive", DEADLINE_HEADER)
+    return ms / 1000.0
 
 
 def _chunk_observer(metrics, model: str):
@@ -200,6 +220,6 @@ def build_app(service: Service) -> FastAPI:
     @app.get("/ready")
     async def ready() -> Response:
         status = service.readiness()
-        return JSONResponse(status, status_code=200 if status["ready"] else 503)
+        return JSONResponse(status, status_code=200 if status["ready"] and not service.draining else 503)
 
     return app

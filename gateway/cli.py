@@ -18,8 +18,6 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     try:
         config = load_config(args.config)
     except ConfigError as e:
@@ -36,12 +34,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logger.info("config %s: %d model(s): %s", args.config or DEFAULT_CONFIG, len(config.models),
                 ", ".join(f"{m.name} ({m.kind.value}, {m.replicas} replica(s))" for m in config.models))
     service = Service(config, RayDeployment(config))
-    app = build_app(service)
     logger.info("tandem listening on http://%s:%d/v1 (models load in the background; GET /ready)",
                 gw.host, gw.port)
-    uvicorn.run(app, host=gw.host, port=gw.port, log_level=args.log_level.lower(),
-                access_log=args.access_log, timeout_graceful_shutdown=30)
+    run_server(build_app(service), service, log_level=args.log_level, access_log=args.access_log)
     return 0
+
+
+def run_server(app, service, log_level: str = "info", access_log: bool = False) -> None:
+    """uvicorn, with a graceful SIGTERM: /ready turns 503, new requests are refused (503), the
+    requests in flight finish (up to gateway.drain_timeout_s), then the process exits 0."""
+    import asyncio
+    import signal
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig, frame):
+            if sig == signal.SIGTERM and self.started and not self.draining:
+                self.draining = True
+                loop = asyncio.get_event_loop()
+                loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
+                return
+            super().handle_exit(sig, frame)  # a second signal, or SIGINT: uvicorn's own exit
+
+        async def _drain(self):
+            await service.drain()
+            self.should_exit = True
+
+    gw = service.config.gateway
+    config = uvicorn.Config(app, host=gw.host, port=gw.port, log_level=log_level.lower(), access_log=access_log,
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config).run()
 
 
 def cmd_build_tiny_models(args: argparse.Namespace) -> int:

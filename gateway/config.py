@@ -45,6 +45,9 @@ class ModelConfig(_Strict):
     )
     replicas: int = Field(1, ge=1, description="Ray actors to run, one per GPU.")
     resources: Resources = Field(default_factory=Resources, description="Per-replica Ray resources.")
+    max_in_flight_per_replica: int | None = Field(
+        None, ge=1, description="Requests a replica takes at once; beyond, they queue in the gateway "
+        "(None: no limit, the engine queues them itself).")
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="Passed to the engine unchanged (vLLM's engine and serving args)."
     )
@@ -68,6 +71,10 @@ class GatewayConfig(_Strict):
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=0, le=65535, description="Port the HTTP server binds (0: any free port).")
     health_interval_s: float = Field(5, gt=0, description="Seconds between replica health checks.")
+    max_queue: int = Field(256, ge=0, description="Requests per model that may wait for a replica slot; "
+                           "beyond, 429 with Retry-After.")
+    drain_timeout_s: float = Field(30, ge=0, description="On SIGTERM: how long in-flight requests may take to "
+                                   "finish (readiness is false and new requests are refused meanwhile).")
     avoid_engine_cores: bool = Field(
         True,
         description="On CPU nodes, keep the gateway off the cores vLLM's CPU worker is pinned to (replica "

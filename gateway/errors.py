@@ -18,6 +18,8 @@ class ErrorKind(str, Enum):
     NOT_FOUND = "not_found"  # unknown route
     METHOD_NOT_ALLOWED = "method_not_allowed"
     OVERLOADED = "overloaded"
+    QUEUE_TIMEOUT = "queue_timeout"  # waited past the request's deadline
+    SHUTTING_DOWN = "shutting_down"
     NO_REPLICA = "no_replica"  # the model has no live replica
     ENGINE_ERROR = "engine_error"  # this request failed inside the engine
     ENGINE_DEAD = "engine_dead"  # the replica itself is gone
@@ -32,6 +34,8 @@ STATUS_TABLE: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.NOT_FOUND: (404, "not_found_error"),
     ErrorKind.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
     ErrorKind.OVERLOADED: (429, "rate_limit_error"),
+    ErrorKind.QUEUE_TIMEOUT: (408, "timeout_error"),
+    ErrorKind.SHUTTING_DOWN: (503, "service_unavailable_error"),
     ErrorKind.NO_REPLICA: (503, "service_unavailable_error"),
     ErrorKind.ENGINE_ERROR: (500, "server_error"),
     ErrorKind.ENGINE_DEAD: (500, "server_error"),
@@ -48,11 +52,12 @@ _CODES = {
 class TandemError(Exception):
     """An error meant for the client. Safe to pickle across the actor boundary."""
 
-    def __init__(self, kind: ErrorKind, message: str, param: str | None = None):
-        super().__init__(kind, message, param)
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None, retry_after: int | None = None):
+        super().__init__(kind, message, param, retry_after)
         self.kind = kind
         self.message = message
         self.param = param
+        self.retry_after = retry_after  # seconds, sent as Retry-After
 
     def __str__(self) -> str:
         return self.message
@@ -62,6 +67,9 @@ class TandemError(Exception):
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, TandemError) and self.args == other.args
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
 
     __hash__ = Exception.__hash__
 

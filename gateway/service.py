@@ -35,7 +35,9 @@ class Service:
     def __init__(self, config: TandemConfig, deployment: Deployment):
         self.config = config
         self.deployment = deployment
-        self.router = Router([ModelPool(m.name, m.kind.value) for m in config.models])
+        self.router = Router([ModelPool(m.name, m.kind.value, max_in_flight=m.max_in_flight_per_replica,
+                                        max_queue=config.gateway.max_queue) for m in config.models])
+        self.draining = False
         self.started_at = time.monotonic()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -76,6 +78,7 @@ class Service:
             logger.error("replica %s: failed to start: %s", replica.id, replica.last_error)
             return
         replica.state = ReplicaState.HEALTHY
+        self.router.pools[replica.model].wake()
         logger.info("replica %s: ready in %.1f s", replica.id, time.monotonic() - t0)
         if self.config.gateway.avoid_engine_cores:
             from workers.cpu_affinity import keep_off_vllm_workers
@@ -107,6 +110,8 @@ class Service:
                         stats = None
                 rows.append((r.model, r.id, r.state.value, stats))
             self.metrics.set_replicas(rows, [s.value for s in ReplicaState])
+            for name, pool in self.router.pools.items():
+                self.metrics.queued.labels(name).set(pool.queued)
             await asyncio.sleep(interval)
 
     async def _check(self, replica: Replica) -> None:
@@ -123,6 +128,23 @@ class Service:
             logger.info("replica %s: healthy again", replica.id)
         replica.consecutive_failures = 0
         replica.state = ReplicaState.HEALTHY
+        self.router.pools[replica.model].wake()
+
+    def in_flight(self) -> int:
+        return sum(r.outstanding for r in self.router.all_replicas())
+
+    async def drain(self) -> bool:
+        """Refuse new requests (and say so in /ready); wait for in-flight ones. True if drained."""
+        self.draining = True
+        deadline = time.monotonic() + self.config.gateway.drain_timeout_s
+        logger.info("draining: %d request(s) in flight, up to %.0f s", self.in_flight(),
+                    self.config.gateway.drain_timeout_s)
+        while self.in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.in_flight()
+        if left:
+            logger.warning("drain timeout: %d request(s) still in flight", left)
+        return left == 0
 
     async def stop(self) -> None:
         self._stopping = True

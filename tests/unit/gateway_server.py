@@ -26,9 +26,10 @@ def fake_gateway(engine_args: dict | None = None, replicas: int = 1, models: tup
                  extra: dict | None = None):
     port = free_port()
     config = parse_config({
-        **(extra or {}),
-        "gateway": {"port": port, "health_interval_s": 0.2},
-        "models": [{"name": m, "kind": "autoregressive", "source": "none", "replicas": replicas} for m in models],
+        **{k: v for k, v in (extra or {}).items() if k not in ("model_fields", "gateway")},
+        "gateway": {"port": port, "health_interval_s": 0.2, **(extra or {}).get("gateway", {})},
+        "models": [{"name": m, "kind": "autoregressive", "source": "none", "replicas": replicas,
+                    **(extra or {}).get("model_fields", {})} for m in models],
     })
     deployment = FakeDeployment(engine_args or {})
     service = Service(config, deployment)

@@ -162,3 +162,38 @@ def test_metrics_count_requests_and_rejections_on_the_api_port(gw):
     httpx.post(url + "/v1/chat/completions", json={"model": "zzz", "messages": []})
     assert value("tandem_requests_total", model="fake", route="/v1/chat/completions", status="2xx") == ok0 + 3
     assert value("tandem_requests_rejected_total", model="other", reason="unknown_model") == bad0 + 1
+
+
+def test_overload_burst_gets_429_with_retry_after_and_accepted_requests_complete():
+    import concurrent.futures as cf
+
+    extra = {"gateway": {"max_queue": 1}, "model_fields": {"max_in_flight_per_replica": 1}}
+    with fake_gateway({"num_tokens": 3, "token_delay_s": 0.1}, extra=extra) as (url, service, _):
+        def one(_):
+            return httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "p"}, timeout=30)
+
+        with cf.ThreadPoolExecutor(8) as ex:
+            responses = list(ex.map(one, range(8)))  # 4x capacity (1 running + 1 queued)
+        codes = sorted(r.status_code for r in responses)
+        assert codes.count(429) >= 4 and set(codes) <= {200, 429}
+        assert all(r.headers["Retry-After"].isdigit() for r in responses if r.status_code == 429)
+        assert all(r.json()["choices"][0]["text"] == "tok0 tok1 tok2" for r in responses if r.status_code == 200)
+        assert service.in_flight() == 0 and service.router.pools["fake"].queued == 0
+
+
+def test_queue_deadline_header_sheds_with_408():
+    extra = {"gateway": {"max_queue": 4}, "model_fields": {"max_in_flight_per_replica": 1}}
+    with fake_gateway({"num_tokens": 10, "token_delay_s": 0.1}, extra=extra) as (url, _, _):
+        import threading
+
+        t = threading.Thread(target=lambda: httpx.post(url + "/v1/completions",
+                                                       json={"model": "fake", "prompt": "p"}, timeout=30))
+        t.start()
+        time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "p"},
+                       headers={"x-tandem-queue-deadline-ms": "100"}, timeout=30)
+        assert r.status_code == 408 and r.json()["error"]["type"] == "timeout_error"
+        bad = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "p"},
+                         headers={"x-tandem-queue-deadline-ms": "soon"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-tandem-queue-deadline-ms"
+        t.join(10)

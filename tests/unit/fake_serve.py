@@ -1,0 +1,17 @@
+"""`tandem serve`'s server loop around fake engines (for the graceful-shutdown test)."""
+
+import sys
+
+from gateway.app import build_app
+from gateway.cli import _setup_logging, run_server
+from gateway.config import parse_config
+from gateway.service import Service
+from workers.fake_engine import FakeDeployment
+
+if __name__ == "__main__":
+    port, delay = int(sys.argv[1]), float(sys.argv[2])
+    _setup_logging("info")
+    config = parse_config({"gateway": {"port": port, "drain_timeout_s": 20},
+                           "models": [{"name": "fake", "kind": "autoregressive", "source": "none"}]})
+    service = Service(config, FakeDeployment({"num_tokens": 20, "token_delay_s": delay}))
+    run_server(build_app(service), service)
