@@ -84,6 +84,12 @@ class EngineActor:
     async def check_health(self) -> None:
         await self.engine.check_health()
 
+    def node_id(self) -> str:
+        """The Ray node this replica runs on (placement checks, /admin/replicas)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     async def stats(self) -> EngineStats:
         s = await self.engine.stats()
         in_flight = sum(len(o.tasks) for o in self._channels.values())

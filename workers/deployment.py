@@ -52,7 +52,9 @@ class RayDeployment:
         replicas = []
         for i in range(model.replicas):
             rid = f"{model.name}/{i}"
-            options = {"num_cpus": model.resources.num_cpus, "num_gpus": model.resources.num_gpus}
+            # SPREAD: replicas of a model go to different nodes when the cluster has room.
+            options = {"num_cpus": model.resources.num_cpus, "num_gpus": model.resources.num_gpus,
+                       "scheduling_strategy": "SPREAD"}
             if model.env:
                 options["runtime_env"] = {"env_vars": dict(model.env)}
             actor = remote_cls.options(**options).remote(model.model_dump(mode="json"), source, rid, self.engine_key)
