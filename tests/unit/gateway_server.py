@@ -23,7 +23,7 @@ def free_port() -> int:
 
 @contextmanager
 def fake_gateway(engine_args: dict | None = None, replicas: int = 1, models: tuple[str, ...] = ("fake",),
-                 extra: dict | None = None):
+                 extra: dict | None = None, deployment_factory=None):
     port = free_port()
     config = parse_config({
         **{k: v for k, v in (extra or {}).items() if k not in ("model_fields", "gateway")},
@@ -31,12 +31,12 @@ def fake_gateway(engine_args: dict | None = None, replicas: int = 1, models: tup
         "models": [{"name": m, "kind": "autoregressive", "source": "none", "replicas": replicas,
                     **(extra or {}).get("model_fields", {})} for m in models],
     })
-    deployment = FakeDeployment(engine_args or {})
+    deployment = deployment_factory(config) if deployment_factory else FakeDeployment(engine_args or {})
     service = Service(config, deployment)
     server = uvicorn.Server(uvicorn.Config(build_app(service), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
     while not service.router.ready() and time.monotonic() < deadline:
