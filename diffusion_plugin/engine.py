@@ -11,14 +11,13 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from diffusion_plugin import params as P
 from diffusion_plugin.loop import DiffusionLoop, SeqEvent
 from diffusion_plugin.request import FINISH_REASON, SamplingParams, SeqStatus, Sequence
-from gateway.errors import ErrorKind, TandemError
+from gateway.errors import ErrorKind, TandemError, invalid
 from workers.protocol import DONE, EngineInfo, EngineStats, Item
 
 logger = logging.getLogger(__name__)
@@ -68,7 +67,7 @@ class DiffusionEngine:
                 return tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True,
                                                return_dict=False)
             except Exception as e:  # noqa: BLE001 - a malformed message is the client's error
-                raise P.invalid(f"messages: cannot apply the chat template: {e}", param="messages") from None
+                raise invalid(f"messages: cannot apply the chat template: {e}", param="messages") from None
         return tok(req.prompt).input_ids
 
     async def _serve(self, body: dict, request_id: str, chat: bool) -> AsyncIterator[Item]:
@@ -247,4 +246,4 @@ def create_engine(cfg, source_path: str) -> DiffusionEngine:
     return DiffusionEngine(cfg.name, source_path, cfg.engine_args)
 
 
-__all__ = ["DiffusionEngine", "create_engine", "uuid"]
+__all__ = ["DiffusionEngine", "create_engine"]

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from diffusion_plugin.request import FINISH_REASON, SeqStatus, Sequence
+from diffusion_plugin.request import SeqStatus, Sequence
 from diffusion_plugin.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -137,5 +137,3 @@ class DiffusionLoop:
                 self._emit(SeqEvent("finished", seq))
             raise
 
-
-__all__ = ["DiffusionLoop", "SeqEvent", "FINISH_REASON"]

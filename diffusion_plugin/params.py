@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gateway.errors import TandemError, invalid
+from gateway.errors import invalid
 
 GREEDY_T = 1e-4  # temperature 0 means near-greedy: both ends of the schedule this low
 
@@ -89,5 +89,3 @@ def resolve(req: _Base, defaults: dict[str, Any]) -> dict[str, Any]:
     merged["seed"] = req.seed if req.seed is not None else random.randrange(2**31)
     return merged
 
-
-__all__ = ["ChatBody", "CompletionBody", "parse", "resolve", "TandemError"]
