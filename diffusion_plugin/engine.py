@@ -171,7 +171,7 @@ class DiffusionEngine:
             "busy_s": self.loop.stats.busy_s, "errors": self.loop.stats.errors,
             "admitted": self.loop.stats.admitted, "admission_wait_sum_s": self.loop.stats.admission_wait_sum_s,
             "block_seconds": self.loop.stats.block_seconds, "active_batch": len(s.running),
-            "canvas_occupancy": len(s.running) / s.max_batch})
+            "canvas_occupancy": len(s.running) / s.max_batch}, progress=st.row_steps + st.encode_passes)
 
     async def shutdown(self) -> None:
         if self.loop is not None:

@@ -14,8 +14,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.config import ModelConfig
 from gateway.errors import ErrorKind, TandemError, invalid
 from gateway.metrics import now
+from gateway.router import ModelPool, Slot, request_cost
 from gateway.service import Service
 from gateway.streaming import ClientGone, sse_body, until_disconnect
 
@@ -47,33 +49,43 @@ async def _generate(request: Request, service: Service, route: str) -> Response:
         raise TandemError(ErrorKind.SHUTTING_DOWN, "the server is shutting down; retry on another instance",
                           retry_after=1)
     pool = service.router.pool(body.get("model"))
-    replica = await pool.acquire(_deadline(request))
-    metrics.in_flight.labels(model).inc()
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            pool.release(replica)
-            metrics.in_flight.labels(model).dec()
-
+    deadline = _deadline(request)
+    cost = request_cost(pool.kind, body)
+    key = _session_key(request, body, service.config.model(pool.name))
     request_id = f"{route}-{uuid.uuid4().hex}"
-    items = replica.handle.generate(route, body, request_id)
-    try:
-        first = await until_disconnect(request, anext(items))
-    except ClientGone:
-        logger.info("client went away before %s was answered; aborted", request_id)
-        await items.aclose()
-        release()
-        return Response(status_code=499)
-    except StopAsyncIteration:
-        release()
-        raise TandemError(ErrorKind.ENGINE_ERROR, "the engine returned nothing") from None
-    except BaseException:
-        await items.aclose()
-        release()
-        raise
+    tried: list[str] = []
+    while True:
+        slot = await pool.acquire(deadline, cost=cost, key=key, exclude=tried)
+        metrics.in_flight.labels(model).inc()
+        release = _releaser(pool, slot, metrics, model)
+        items = slot.replica.handle.generate(route, body, request_id)
+        try:
+            first = await until_disconnect(request, anext(items))
+        except ClientGone:
+            logger.info("client went away before %s was answered; aborted", request_id)
+            await items.aclose()
+            release()
+            return Response(status_code=499)
+        except StopAsyncIteration:
+            release()
+            raise TandemError(ErrorKind.ENGINE_ERROR, "the engine returned nothing") from None
+        except TandemError as e:
+            await items.aclose()
+            release()
+            if _retry(e, pool, slot, tried):
+                metrics.retries.labels(model).inc()
+                continue
+            raise
+        except BaseException:
+            await items.aclose()
+            release()
+            raise
+        if isinstance(first, TandemError) and _retry(first, pool, slot, tried):
+            await items.aclose()
+            release()
+            metrics.retries.labels(model).inc()
+            continue
+        break
     if isinstance(first, str):
         metrics.ttft.labels(model).observe(now() - t0)
         return StreamingResponse(sse_body(first, items, release, _chunk_observer(metrics, model)),
@@ -85,6 +97,40 @@ async def _generate(request: Request, service: Service, route: str) -> Response:
         raise first
     metrics.observe_usage(model, first.get("usage"))
     return JSONResponse(first, headers={"X-Request-Id": request_id})
+
+
+def _releaser(pool: ModelPool, slot: Slot, metrics, model: str):
+    """Release the slot once, whichever path ends the request first."""
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            pool.release(slot)
+            metrics.in_flight.labels(model).dec()
+
+    return release
+
+
+def _retry(err: TandemError, pool: ModelPool, slot: Slot, tried: list[str]) -> bool:
+    """Retry once, on another replica, a request whose replica failed before its first byte.
+    Only replica failures (dead, stuck): an engine's answer about the request itself stands."""
+    if err.kind is not ErrorKind.ENGINE_DEAD or tried:
+        return False
+    tried.append(slot.replica.id)
+    if not any(r.id not in tried for r in pool.healthy()):
+        return False
+    logger.warning("replica %s failed before answering; retrying on another replica", slot.replica.id)
+    return True
+
+
+def _session_key(request: Request, body: dict, model: ModelConfig | None) -> str | None:
+    """The session-affinity key: the configured header, else the body's ``user``."""
+    if model is None or not model.session_affinity.enabled:
+        return None
+    key = request.headers.get(model.session_affinity.header) or body.get("user")
+    return key if isinstance(key, str) and key else None
 
 
 DEADLINE_HEADER = "x-tandem-queue-deadline-ms"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
@@ -36,6 +36,15 @@ class Resources(_Strict):
     num_cpus: float = Field(1, ge=0, description="CPUs each replica holds (Ray resource).")
 
 
+class SessionAffinity(_Strict):
+    enabled: bool = Field(False, description="Send a session's requests to the same replica (autoregressive "
+                          "models: its prefix cache holds the conversation so far).")
+    header: str = Field("x-session-id", min_length=1, description="Request header carrying the session key; "
+                        "without it, the body's `user` field is the key.")
+    load_factor: float = Field(1.25, ge=1, description="Bounded load: a session leaves its replica for the next "
+                               "one in its order while that replica holds more than this times the average load.")
+
+
 class ModelConfig(_Strict):
     name: str = Field(min_length=1, description="The `model` clients ask for.")
     kind: ModelKind = Field(description="autoregressive (vLLM) or diffusion (tandem's batcher).")
@@ -52,6 +61,16 @@ class ModelConfig(_Strict):
         default_factory=dict, description="Passed to the engine unchanged (vLLM's engine and serving args)."
     )
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables for the replica's process.")
+    session_affinity: SessionAffinity = Field(default_factory=SessionAffinity,
+                                              description="Optional session affinity (autoregressive only).")
+    max_restarts: int = Field(-1, ge=-1, description="How often Ray restarts a replica's actor that died or was "
+                              "killed for being stuck (-1: always).")
+
+    @model_validator(mode="after")
+    def _affinity_is_autoregressive(self) -> ModelConfig:
+        if self.session_affinity.enabled and self.kind is not ModelKind.AUTOREGRESSIVE:
+            raise ValueError("session_affinity: only autoregressive models have a prefix cache to keep warm")
+        return self
 
     @field_validator("name")
     @classmethod
@@ -71,6 +90,13 @@ class GatewayConfig(_Strict):
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=0, le=65535, description="Port the HTTP server binds (0: any free port).")
     health_interval_s: float = Field(5, gt=0, description="Seconds between replica health checks.")
+    health_timeout_s: float | None = Field(
+        None, gt=0, description="A health check slower than this fails (default: health_interval_s).")
+    unhealthy_after: int = Field(2, ge=1, description="Consecutive failed health checks that take a replica out "
+                                 "of rotation (it is then restarted).")
+    stall_timeout_s: float = Field(
+        60, gt=0, description="A replica that holds requests but has made no progress (tokens, denoise steps) "
+        "for this long is stuck: its requests fail and it is restarted.")
     max_queue: int = Field(256, ge=0, description="Requests per model that may wait for a replica slot; "
                            "beyond, 429 with Retry-After.")
     drain_timeout_s: float = Field(30, ge=0, description="On SIGTERM: how long in-flight requests may take to "

@@ -83,6 +83,11 @@ class Metrics:
         self.rejected = Counter("tandem_requests_rejected", "Requests refused before reaching an engine.",
                                 ["model", "reason"], registry=r)
         self.replicas = Gauge("tandem_replicas", "Replicas by state.", ["model", "state"], registry=r)
+        self.restarts = Counter("tandem_replica_restarts", "Replicas restarted (died, stuck or failing).", ["model"],
+                                registry=r)
+        self.retries = Counter("tandem_request_retries",
+                               "Requests retried on another replica (their replica failed before the first byte).",
+                               ["model"], registry=r)
         for m in [*self.models, "other"]:  # every series exists from the start (at 0)
             for route in (*ROUTES, "other"):
                 for status in STATUS_CLASSES:
@@ -90,7 +95,7 @@ class Metrics:
             for route in GENERATION_ROUTES:
                 self.duration.labels(m, route)
             for child in (self.ttft, self.chunk_gap, self.prompt_tokens, self.output_tokens, self.in_flight,
-                          self.queued):
+                          self.queued, self.restarts, self.retries):
                 child.labels(m)
             for reason in set(REJECT_REASONS.values()):
                 self.rejected.labels(m, reason)

@@ -3,38 +3,55 @@
 ``ReplicaHandle`` is the gateway's side of ``workers.protocol.Engine``. ``RayReplicaHandle``
 talks to an ``EngineActor`` through Ray streaming generators; ``LocalReplicaHandle`` runs
 an engine in the gateway's own process (unit tests, no Ray).
+
+A handle also knows how to bring its replica back (``restart``): the Ray one kills a stuck
+actor and lets Ray restart it (``max_restarts``), then starts the engine in the new process;
+the local one builds a fresh in-process actor.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
 from gateway.errors import ErrorKind, TandemError
 from workers.channel import Demux, items_of
-from workers.protocol import EngineInfo, EngineStats, Item
+from workers.protocol import EngineInfo, EngineStats, Item, ReplicaHealth
 
 logger = logging.getLogger(__name__)
 
 
 class ReplicaState(str, Enum):
     STARTING = "starting"
+    PENDING = "pending"  # not placed: no node of the cluster offers its resources (yet)
     HEALTHY = "healthy"
-    UNHEALTHY = "unhealthy"
+    UNHEALTHY = "unhealthy"  # out of rotation; being restarted
+    RESTARTING = "restarting"
     FAILED = "failed"  # could not start
+
+    @property
+    def live(self) -> bool:
+        """Reachable for health checks and stats."""
+        return self in (ReplicaState.HEALTHY, ReplicaState.UNHEALTHY)
 
 
 class ReplicaHandle(Protocol):
+    on_broken: Callable[[TandemError], None] | None  # set by the service: the channel broke
+
     def generate(self, route: str, body: dict, request_id: str) -> AsyncIterator[Item]: ...
     async def abort(self, request_id: str) -> bool: ...
-    async def check_health(self) -> None: ...
+    async def health(self) -> ReplicaHealth: ...
     async def stats(self) -> EngineStats: ...
     async def start(self) -> EngineInfo: ...
+    async def restart(self, kill: bool) -> EngineInfo: ...
+    def fail_in_flight(self, err: TandemError) -> None: ...
+    async def describe(self) -> dict: ...
     async def shutdown(self) -> None: ...
 
 
@@ -44,11 +61,23 @@ class Replica:
     model: str
     handle: Any  # ReplicaHandle
     state: ReplicaState = ReplicaState.STARTING
-    outstanding: int = 0
+    outstanding: int = 0  # requests routed here and not yet finished
+    load: float = 0.0  # their summed cost (``router.request_cost``): tokens (AR) or batch rows (diffusion)
     info: EngineInfo | None = None
     last_error: str | None = None
     consecutive_failures: int = 0
+    incarnation: str | None = None  # of the actor process the engine was started in
+    progress: int = -1  # last ``ReplicaHealth.progress`` seen, and since when
+    progress_since: float = field(default_factory=time.monotonic)
+    unhealthy_since: float = 0.0
+    restarts: int = 0
     extra: dict = field(default_factory=dict)
+
+    @property
+    def capacity(self) -> float:
+        """What ``load`` is measured against: a diffusion replica's batch rows, else 1."""
+        max_batch = (self.info.extra.get("max_batch") if self.info else None) or 1
+        return float(max_batch)
 
 
 class ChannelReplicaHandle:
@@ -62,6 +91,7 @@ class ChannelReplicaHandle:
         self.channel_id = uuid.uuid4().hex
         self._demux: Demux | None = None
         self._reader: asyncio.Task | None = None
+        self.on_broken: Callable[[TandemError], None] | None = None
 
     async def call(self, method: str, *args):
         raise NotImplementedError
@@ -91,11 +121,28 @@ class ChannelReplicaHandle:
             logger.warning("channel %s broke: %s: %s", self.channel_id, type(e).__name__, e)
             err = self._dead(e)
         demux.fail_all(err)
+        if self.on_broken is not None and demux is self._demux:
+            self.on_broken(err)
 
     async def start(self) -> EngineInfo:
         info = await self.call("start")
         self._channel()
         return info
+
+    def fail_in_flight(self, err: TandemError) -> None:
+        """End every request on this replica now with ``err`` (it is stuck or gone)."""
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._demux is not None:
+            self._demux.fail_all(err)
+            self._demux = None
+
+    async def restart(self, kill: bool) -> EngineInfo:
+        """Bring the replica back: a new process (killing the old one when ``kill``), started."""
+        raise NotImplementedError
+
+    async def describe(self) -> dict:
+        return await self.call("describe")
 
     async def generate(self, route: str, body: dict, request_id: str) -> AsyncIterator[Item]:
         demux = self._channel()
@@ -125,8 +172,8 @@ class ChannelReplicaHandle:
     async def abort(self, request_id: str) -> bool:
         return await self.call("abort", request_id)
 
-    async def check_health(self) -> None:
-        await self.call("check_health")
+    async def health(self) -> ReplicaHealth:
+        return await self.call("health")
 
     async def stats(self) -> EngineStats:
         return await self.call("stats")
@@ -138,17 +185,28 @@ class ChannelReplicaHandle:
 
 
 class LocalReplicaHandle(ChannelReplicaHandle):
-    """An ``EngineActor`` in this process (unit tests, no Ray); same channel code path."""
+    """An ``EngineActor`` in this process (unit tests, no Ray); same channel code path.
+    ``factory`` builds a fresh actor for ``restart``."""
 
-    def __init__(self, actor):
+    def __init__(self, actor, factory: Callable[[], Any] | None = None):
         super().__init__()
         self.actor = actor
+        self.factory = factory
 
     async def call(self, method: str, *args):
-        return await getattr(self.actor, method)(*args)
+        result = getattr(self.actor, method)(*args)
+        return await result if asyncio.iscoroutine(result) else result
 
     def stream(self, method: str, *args) -> AsyncIterator:
         return getattr(self.actor, method)(*args)
+
+    async def restart(self, kill: bool) -> EngineInfo:
+        if self.factory is None:
+            raise RuntimeError("this replica cannot be restarted (no factory)")
+        old, self.actor = self.actor, self.factory()
+        for outbox in list(old._channels.values()):  # what a killed process would lose
+            outbox.close()
+        return await self.start()
 
 
 class RayReplicaHandle(ChannelReplicaHandle):
@@ -160,6 +218,34 @@ class RayReplicaHandle(ChannelReplicaHandle):
 
     async def call(self, method: str, *args):
         return await getattr(self.actor, method).remote(*args)
+
+    async def health(self) -> ReplicaHealth:
+        from ray.exceptions import RayActorError
+
+        try:
+            return await self.call("health")
+        except RayActorError as e:
+            raise TandemError(ErrorKind.ENGINE_DEAD, f"the replica's actor died: {type(e).__name__}") from e
+
+    async def restart(self, kill: bool) -> EngineInfo:
+        """Ray restarts a dead actor (``max_restarts``); a stuck one is killed first. Calls made
+        while it restarts fail or wait; retried until the new process has started its engine."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        if kill:
+            try:
+                ray.kill(self.actor, no_restart=False)
+            except Exception as e:  # noqa: BLE001 - already gone: Ray restarts it anyway
+                logger.info("kill before restart: %s: %s", type(e).__name__, e)
+        delay = 0.2
+        while True:
+            try:
+                return await self.start()
+            except RayActorError as e:
+                logger.debug("replica not back yet: %s", type(e).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     async def stream(self, method: str, *args) -> AsyncIterator:
         gen = getattr(self.actor, method).options(num_returns="streaming").remote(*args)

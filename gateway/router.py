@@ -1,34 +1,92 @@
 """Route a request by ``model`` to one of that model's replicas, with admission control.
 
-Least outstanding requests among healthy replicas with a free slot (``max_in_flight`` per
-replica; None: no limit, the engine queues). When every replica is full the request waits in
-a bounded FIFO queue; when the queue is full it is refused at once with 429 and a
-``Retry-After`` estimated from the queue length and the recent completion rate. A request
-that waits past its deadline gets 408. 503 only when the model has no live replica.
+Choice: power of two choices on outstanding work. Two healthy replicas with a free slot are
+drawn at random and the less loaded one wins, where load is the summed ``request_cost`` of
+what the gateway has in flight there: tokens for autoregressive replicas (what fills a KV
+cache), batch rows against ``max_batch`` for diffusion replicas (free slots at the next block
+boundary). Optional session affinity (autoregressive): a request with a session key goes to
+the key's own replica (rendezvous hashing) unless that replica is above ``load_factor`` times
+the average load, so prefix caches get hit without one hot session owning a replica.
+
+Admission: ``max_in_flight`` requests per replica (None: no limit, the engine queues). When
+every replica is full the request waits in a bounded FIFO queue; when the queue is full it is
+refused at once with 429 and a ``Retry-After`` estimated from the queue length and the recent
+completion rate. A request that waits past its deadline gets 408. 503 only when the model has
+no live replica.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
+import random
 import time
 from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from gateway.errors import ErrorKind, TandemError
 from gateway.replicas import Replica, ReplicaState
 
 RATE_WINDOW_S = 30.0
+DEFAULT_MAX_TOKENS = 256  # what an AR request without max_tokens is assumed to generate
+CHARS_PER_TOKEN = 4
+
+
+def request_cost(kind: str, body: dict) -> float:
+    """What one request weighs on a replica. Autoregressive: tokens it may hold (prompt
+    estimated from its characters, plus its output budget), times ``n``. Diffusion: the batch
+    rows it takes (``n``). Never fails: validation is the engine's job."""
+    n = body.get("n")
+    n = n if isinstance(n, int) and 1 <= n <= 128 else 1
+    if kind == "diffusion":
+        return float(n)
+    out = body.get("max_completion_tokens") or body.get("max_tokens")
+    out = out if isinstance(out, int) and out > 0 else DEFAULT_MAX_TOKENS
+    return float(_text_len(body.get("messages", body.get("prompt"))) // CHARS_PER_TOKEN + out * n)
+
+
+def _text_len(value: object, depth: int = 0) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if depth > 4:
+        return 0
+    if isinstance(value, list):
+        return sum(_text_len(v, depth + 1) for v in value[:4096])
+    if isinstance(value, dict):
+        return sum(_text_len(v, depth + 1) for k, v in value.items() if k in ("content", "text"))
+    return 0
+
+
+@dataclass(eq=False)
+class Slot:
+    """A request's place on a replica, from ``acquire`` until ``release``."""
+
+    replica: Replica
+    cost: float = 1.0
+
+
+@dataclass(eq=False)
+class _Waiter:
+    cost: float
+    key: str | None
+    exclude: frozenset[str]
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class ModelPool:
     def __init__(self, name: str, kind: str, replicas: list[Replica] | None = None,
-                 max_in_flight: int | None = None, max_queue: int = 256):
+                 max_in_flight: int | None = None, max_queue: int = 256, affinity_load_factor: float | None = None,
+                 rng: random.Random | None = None):
         self.name = name
         self.kind = kind
         self.replicas: list[Replica] = list(replicas or [])
         self.max_in_flight = max_in_flight
         self.max_queue = max_queue
-        self._waiters: deque[asyncio.Future] = deque()
+        self.affinity_load_factor = affinity_load_factor  # None: no session affinity
+        self.rng = rng or random.Random()
+        self._waiters: deque[_Waiter] = deque()
         self._completions: deque[float] = deque()
 
     def healthy(self) -> list[Replica]:
@@ -38,23 +96,43 @@ class ModelPool:
     def queued(self) -> int:
         return len(self._waiters)
 
-    def _free(self) -> Replica | None:
-        live = [r for r in self.healthy() if self.max_in_flight is None or r.outstanding < self.max_in_flight]
-        return min(live, key=lambda r: r.outstanding) if live else None
+    def _has_room(self, r: Replica) -> bool:
+        return self.max_in_flight is None or r.outstanding < self.max_in_flight
 
-    def pick(self) -> Replica:
-        """The replica to use now (no queueing): raises 503 without a healthy replica, 429 if all are full."""
-        replica = self._free()
-        if replica is not None:
-            return replica
-        self._no_live_replica()
-        raise self._overloaded()
+    def _choose(self, cost: float, key: str | None, exclude: Iterable[str] = ()) -> Replica | None:
+        """The replica for one more request now, or None if every healthy one is full.
+        ``exclude`` (a retry's failed replica) is avoided when another one has room."""
+        healthy = self.healthy()
+        free = [r for r in healthy if self._has_room(r)]
+        preferred = [r for r in free if r.id not in exclude]
+        candidates = preferred or free
+        if not candidates:
+            return None
+        if key is not None and self.affinity_load_factor is not None:
+            return self._affine(candidates, healthy, cost, key)
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self.rng.sample(candidates, 2)
+        return min(a, b, key=_score)
+
+    def _affine(self, candidates: list[Replica], healthy: list[Replica], cost: float, key: str) -> Replica:
+        """Rendezvous hashing with bounded load: the key's first replica in its own order whose
+        load is within ``load_factor`` x the average (counting this request; the least loaded
+        replica always is, unless it is full)."""
+        bound = self.affinity_load_factor * (sum(r.load for r in healthy) + cost) / len(healthy)
+        ordered = sorted(candidates, key=lambda r: _rendezvous(key, r.id), reverse=True)
+        return next((r for r in ordered if r.load <= bound), min(candidates, key=_score))
+
+    def _no_replica_error(self) -> TandemError:
+        states = {r.state for r in self.replicas}
+        why = ("is restarting" if ReplicaState.RESTARTING in states or ReplicaState.UNHEALTHY in states
+               else "is still starting" if ReplicaState.STARTING in states
+               else "has no healthy replica")
+        return TandemError(ErrorKind.NO_REPLICA, f"model {self.name!r} {why}; try again shortly", retry_after=1)
 
     def _no_live_replica(self) -> None:
         if not self.healthy():
-            starting = any(r.state is ReplicaState.STARTING for r in self.replicas)
-            why = "is still starting" if starting else "has no healthy replica"
-            raise TandemError(ErrorKind.NO_REPLICA, f"model {self.name!r} {why}; try again shortly", retry_after=1)
+            raise self._no_replica_error()
 
     def _overloaded(self) -> TandemError:
         now = time.monotonic()
@@ -66,20 +144,28 @@ class ModelPool:
                            f"model {self.name!r} is at capacity ({len(self._waiters)} requests queued); retry later",
                            retry_after=max(1, min(60, math.ceil(wait))))
 
-    async def acquire(self, deadline_s: float | None = None) -> Replica:
-        """A replica with one more outstanding request counted on it; pair with ``release``."""
-        replica = self._free()
-        if replica is not None:
-            replica.outstanding += 1
-            return replica
+    async def acquire(self, deadline_s: float | None = None, cost: float = 1.0, key: str | None = None,
+                      exclude: Iterable[str] = ()) -> Slot:
+        """A slot on a replica, counted there until ``release``. Raises 503 (no live replica),
+        429 (queue full) or 408 (waited past ``deadline_s``)."""
+        exclude = frozenset(exclude)
+        if not self._waiters:  # FIFO: nobody may overtake a waiter
+            replica = self._choose(cost, key, exclude)
+            if replica is not None:
+                return self._take(replica, cost)
         self._no_live_replica()
         if len(self._waiters) >= self.max_queue:
             raise self._overloaded()
-        return await self._wait(deadline_s)
+        return await self._wait(_Waiter(cost, key, exclude), deadline_s)
 
-    async def _wait(self, deadline_s: float | None) -> Replica:
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+    def _take(self, replica: Replica, cost: float) -> Slot:
+        replica.outstanding += 1
+        replica.load += cost
+        return Slot(replica, cost)
+
+    async def _wait(self, waiter: _Waiter, deadline_s: float | None) -> Slot:
+        fut = waiter.future
+        self._waiters.append(waiter)
         try:
             return await asyncio.wait_for(asyncio.shield(fut), deadline_s)
         except TimeoutError:
@@ -90,30 +176,52 @@ class ModelPool:
                 self._give_back(fut.result())
             raise
         finally:
-            if fut in self._waiters:
-                self._waiters.remove(fut)
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
             if not fut.done():
                 fut.cancel()
 
-    def release(self, replica: Replica) -> None:
+    def release(self, slot: Slot) -> None:
         self._completions.append(time.monotonic())
-        self._give_back(replica)
+        self._give_back(slot)
 
-    def _give_back(self, replica: Replica) -> None:
-        replica.outstanding -= 1
+    def _give_back(self, slot: Slot) -> None:
+        slot.replica.outstanding -= 1
+        slot.replica.load -= slot.cost
         self.wake()
 
     def wake(self) -> None:
         """Hand free slots to the oldest waiters (FIFO), reserving each slot for its waiter.
         Called when a request ends and when a replica becomes healthy."""
         while self._waiters:
-            target = self._free()
+            waiter = self._waiters[0]
+            if waiter.future.done():  # cancelled or timed out; its own cleanup removes it
+                self._waiters.popleft()
+                continue
+            target = self._choose(waiter.cost, waiter.key, waiter.exclude)
             if target is None:
                 return
-            fut = self._waiters.popleft()
+            self._waiters.popleft()
+            waiter.future.set_result(self._take(target, waiter.cost))
+
+    def fail_waiters_if_no_replica(self) -> None:
+        """The model lost its last healthy replica: queued requests get the 503 a new one would
+        get, at once, instead of waiting for a restart that may take minutes."""
+        if self.healthy():
+            return
+        while self._waiters:
+            fut = self._waiters.popleft().future
             if not fut.done():
-                target.outstanding += 1
-                fut.set_result(target)
+                fut.set_exception(self._no_replica_error())
+
+
+def _score(r: Replica) -> tuple[float, int]:
+    # AR: capacity is 1, so this orders by tokens in flight; diffusion: by free batch rows.
+    return (r.load - r.capacity, r.outstanding)
+
+
+def _rendezvous(key: str, replica_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}\0{replica_id}".encode(), digest_size=8).digest(), "big")
 
 
 class Router:

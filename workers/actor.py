@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import uuid
 from collections.abc import AsyncIterator
 
 from gateway.config import ModelConfig
 from gateway.errors import ErrorKind, TandemError, invalid
 from workers.channel import Batch, Outbox
-from workers.protocol import Engine, EngineInfo, EngineStats, Item
+from workers.protocol import Engine, EngineInfo, EngineStats, Item, ReplicaHealth
 from workers.registry import create_engine
 
 logger = logging.getLogger(__name__)
@@ -30,10 +31,19 @@ class EngineActor:
         self.replica_id = replica_id
         self.engine = engine if engine is not None else create_engine(self.cfg, source_path, engine_key)
         self.info: EngineInfo | None = None
+        self.incarnation = uuid.uuid4().hex  # a restarted actor runs __init__ again: a new one
         self._channels: dict[str, Outbox] = {}
         self._channel_opened = asyncio.Condition()  # binds to the loop on first use (3.10+)
+        self._starting: asyncio.Future | None = None
 
     async def start(self) -> EngineInfo:
+        """Start the engine once per incarnation; a repeated call (a retried restart) gets the
+        same answer instead of a second engine."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start())
+        return await asyncio.shield(self._starting)
+
+    async def _start(self) -> EngineInfo:
         if not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logger.info("replica %s (pid %d) starting %s", self.replica_id, os.getpid(), self.cfg.name)
@@ -84,11 +94,28 @@ class EngineActor:
     async def check_health(self) -> None:
         await self.engine.check_health()
 
+    async def health(self) -> ReplicaHealth:
+        """Called by the gateway's health loop. Raises if the engine says it cannot serve."""
+        in_flight = sum(len(o.tasks) for o in self._channels.values())
+        if self.info is None:
+            return ReplicaHealth(self.incarnation, started=False, in_flight=in_flight, progress=0)
+        await self.engine.check_health()
+        stats = await self.engine.stats()
+        return ReplicaHealth(self.incarnation, started=True, in_flight=in_flight, progress=stats.progress)
+
     def node_id(self) -> str:
         """The Ray node this replica runs on (placement checks, /admin/replicas)."""
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+    def describe(self) -> dict:
+        """Where this replica runs: Ray node, process, incarnation (/admin/replicas, fault tests)."""
+        try:
+            node = self.node_id()
+        except Exception:  # noqa: BLE001 - not in Ray (unit tests)
+            node = None
+        return {"node_id": node, "pid": os.getpid(), "incarnation": self.incarnation}
 
     async def stats(self) -> EngineStats:
         s = await self.engine.stats()

@@ -116,7 +116,9 @@ class Demux:
                 queue.put_nowait(item)
 
     def fail_all(self, err: TandemError) -> None:
-        """The channel broke: every request on it ends now, with ``err``."""
+        """The channel broke: every request on it ends now, with ``err`` (the first cause wins)."""
+        if self.broken is not None:
+            return
         self.broken = err
         for queue in self.queues.values():
             queue.put_nowait(err)

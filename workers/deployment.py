@@ -53,14 +53,31 @@ class RayDeployment:
         for i in range(model.replicas):
             rid = f"{model.name}/{i}"
             # SPREAD: replicas of a model go to different nodes when the cluster has room.
+            # max_restarts: Ray brings a dead actor back (the gateway starts its engine again);
+            # no task retries: a request on a dead replica fails, the gateway decides on a retry.
             options = {"num_cpus": model.resources.num_cpus, "num_gpus": model.resources.num_gpus,
-                       "scheduling_strategy": "SPREAD"}
+                       "scheduling_strategy": "SPREAD", "max_restarts": model.max_restarts, "max_task_retries": 0}
             if model.env:
                 options["runtime_env"] = {"env_vars": dict(model.env)}
             actor = remote_cls.options(**options).remote(model.model_dump(mode="json"), source, rid, self.engine_key)
             self._actors.append(actor)
             replicas.append(Replica(id=rid, model=model.name, handle=RayReplicaHandle(actor)))
         return replicas
+
+    def placement_problem(self, model: ModelConfig) -> str | None:
+        """Why a replica of ``model`` cannot be placed: no live node offers its resources at all
+        (e.g. ``num_gpus: 1`` on a cluster without GPU nodes). None if some node could hold it."""
+        import ray
+
+        need = {k: v for k, v in (("CPU", model.resources.num_cpus), ("GPU", model.resources.num_gpus)) if v}
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if any(all(n["Resources"].get(k, 0) >= v for k, v in need.items()) for n in nodes):
+            return None
+        offers = "; ".join(
+            f"{n.get('NodeManagerAddress', '?')}: " + ", ".join(f"{k} {n['Resources'].get(k, 0):g}" for k in need)
+            for n in nodes) or "no live node"
+        wants = ", ".join(f"{k} {v:g}" for k, v in need.items())
+        return f"needs {wants} on one node; no node of the Ray cluster has that ({offers}); add such a node"
 
     def close(self) -> None:
         import ray

@@ -2,12 +2,19 @@
 
 Told through ``engine_args`` (or attributes) to be slow (``token_delay_s``), to fail
 (``fail``: "start", "request", "midstream"), or to hang (``hang``: true).
+
+Fault injection across processes (a fake inside a Ray actor): with ``engine_args.control_file``
+set, the engine reads that JSON file (``{"<pid>": "hang" | "raise"}``) before each token and
+each health check. A fault names the process, so it dies with it: the restarted replica is
+healthy again. ``hang``: tokens and health checks never return; ``raise``: requests and health
+checks fail, as an engine whose core died.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,9 +32,31 @@ class FakeEngine:
         self.fail: str | None = args.get("fail")
         self.hang: bool = args.get("hang", False)
         self.max_model_len: int = args.get("max_model_len", 64)
+        self.control_file: str | None = args.get("control_file")
+        self.broken = False
+        self.progress = 0
         self.running: set[str] = set()
         self.aborted: list[str] = []
         self.served: list[str] = []
+
+    def _read_faults(self) -> None:
+        if self.control_file is None:
+            return
+        try:
+            with open(self.control_file) as f:
+                fault = json.load(f).get(str(os.getpid()))
+        except (OSError, ValueError):
+            return
+        self.hang = self.hang or fault == "hang"
+        self.broken = self.broken or fault == "raise"
+
+    async def _step(self) -> None:
+        """Before each token: apply injected faults."""
+        self._read_faults()
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.broken:
+            raise RuntimeError("fake engine: its core died")
 
     async def start(self) -> EngineInfo:
         if self.fail == "start":
@@ -64,18 +93,19 @@ class FakeEngine:
             words = [f"tok{i}" for i in range(n)]
             if body.get("stream"):
                 for i, w in enumerate(words):
-                    if self.hang:
-                        await asyncio.Event().wait()
+                    await self._step()
                     await asyncio.sleep(self.token_delay_s)
                     if self.fail == "midstream" and i == 1:
                         raise RuntimeError("fake engine failed mid-stream")
+                    self.progress += 1
                     yield _chunk(rid, self.model, chat, w + " ", None)
                 yield _chunk(rid, self.model, chat, "", finish)
                 yield DONE
             else:
-                if self.hang:
-                    await asyncio.Event().wait()
-                await asyncio.sleep(self.token_delay_s * n)
+                for _ in words:
+                    await self._step()
+                    await asyncio.sleep(self.token_delay_s)
+                    self.progress += 1
                 text = " ".join(words)
                 choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
                           if chat else {"index": 0, "text": text, "finish_reason": finish})
@@ -92,11 +122,10 @@ class FakeEngine:
         return request_id in self.running
 
     async def check_health(self) -> None:
-        if self.hang:
-            await asyncio.Event().wait()
+        await self._step()
 
     async def stats(self) -> EngineStats:
-        return EngineStats(running=len(self.running))
+        return EngineStats(running=len(self.running), progress=self.progress)
 
     async def shutdown(self) -> None:
         self.running.clear()
@@ -130,13 +159,16 @@ class FakeDeployment:
         from gateway.replicas import LocalReplicaHandle, Replica
         from workers.actor import EngineActor
 
+        def make(rid: str) -> EngineActor:  # also how a "restarted" replica gets a fresh engine
+            engine = FakeEngine(model.name, self.engine_args if self.engine_args is not None else model.engine_args)
+            self.engines[rid] = engine
+            return EngineActor(model.model_dump(mode="json"), model.source, rid, engine=engine)
+
         out = []
         for i in range(model.replicas):
             rid = f"{model.name}/{i}"
-            engine = FakeEngine(model.name, self.engine_args if self.engine_args is not None else model.engine_args)
-            self.engines[rid] = engine
-            actor = EngineActor(model.model_dump(mode="json"), model.source, rid, engine=engine)
-            out.append(Replica(id=rid, model=model.name, handle=LocalReplicaHandle(actor)))
+            handle = LocalReplicaHandle(make(rid), factory=lambda rid=rid: make(rid))
+            out.append(Replica(id=rid, model=model.name, handle=handle))
         return out
 
     def close(self) -> None:

@@ -42,6 +42,19 @@ class EngineStats:
     running: int  # requests the engine holds (scheduled or waiting inside the engine)
     waiting: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    # A counter that grows whenever the engine does work (tokens prefilled or generated, denoise
+    # steps). Readiness compares it over time: work held and no progress means stuck.
+    progress: int = 0
+
+
+@dataclass(frozen=True)
+class ReplicaHealth:
+    """A replica's answer to a health check (``EngineActor.health``)."""
+
+    incarnation: str  # new each time the actor process is (re)created
+    started: bool  # the engine was started in this incarnation
+    in_flight: int  # requests the replica is running for its callers
+    progress: int  # ``EngineStats.progress``
 
 
 @runtime_checkable

@@ -195,7 +195,8 @@ class VllmEngine:
             return EngineStats(running=0)
         running = self._llm.output_processor.get_num_unfinished_requests()
         extra = dict(self._totals.values)
-        return EngineStats(running=running, waiting=extra.pop("waiting"), extra=extra)
+        return EngineStats(running=running, waiting=extra.pop("waiting"), extra=extra,
+                           progress=extra["prompt_tokens"] + extra["generation_tokens"])
 
     async def shutdown(self) -> None:
         if self._llm is not None:

@@ -1,36 +1,126 @@
 import asyncio
+import random
+from collections import Counter
 
 import pytest
 
 from gateway.errors import ErrorKind, TandemError
 from gateway.replicas import Replica, ReplicaState
-from gateway.router import ModelPool, Router
+from gateway.router import ModelPool, Router, request_cost
+from workers.protocol import EngineInfo
 
 
-def _pool(*states):
-    return ModelPool("m", "autoregressive", [Replica(id=f"m/{i}", model="m", handle=None, state=s)
-                                               for i, s in enumerate(states)])
+def _pool(*states, kind="autoregressive", **kw):
+    return ModelPool("m", kind, [Replica(id=f"m/{i}", model="m", handle=None, state=s) for i, s in enumerate(states)],
+                     rng=random.Random(0), **kw)
 
 
-def test_least_outstanding_among_healthy():
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_never_an_unhealthy_replica_and_slots_are_counted():
     async def main():
         pool = _pool(ReplicaState.HEALTHY, ReplicaState.HEALTHY, ReplicaState.UNHEALTHY)
-        a = await pool.acquire()
-        b = await pool.acquire()
-        assert {a.id, b.id} == {"m/0", "m/1"}  # spread, never the unhealthy one
-        pool.release(a)
-        assert await pool.acquire() is a
-        assert all([(await pool.acquire()).id != "m/2" for _ in range(5)])
+        slots = [await pool.acquire(cost=10) for _ in range(6)]
+        assert all(s.replica.id != "m/2" for s in slots)
+        assert sum(r.outstanding for r in pool.replicas) == 6 and sum(r.load for r in pool.replicas) == 60
+        for s in slots:
+            pool.release(s)
+        assert all(r.outstanding == 0 and r.load == 0 for r in pool.replicas)
+    run(main())
 
-    asyncio.run(main())
+
+def test_power_of_two_choices_balances_by_tokens_in_flight():
+    async def main():
+        pool = _pool(*[ReplicaState.HEALTHY] * 4)
+        for _ in range(400):
+            await pool.acquire(cost=100)
+        loads = [r.load for r in pool.replicas]
+        assert max(loads) - min(loads) <= 200, loads  # P2C keeps the spread within a couple of requests
+    run(main())
+
+
+def test_heavy_requests_weigh_more_than_light_ones():
+    async def main():
+        pool = _pool(ReplicaState.HEALTHY, ReplicaState.HEALTHY)
+        heavy = await pool.acquire(cost=1000)
+        light = [await pool.acquire(cost=10) for _ in range(5)]
+        # outstanding counts alone would have split 3/3; tokens in flight put every light one elsewhere
+        assert all(s.replica is not heavy.replica for s in light)
+    run(main())
+
+
+def test_diffusion_goes_to_the_replica_with_the_most_free_batch_rows():
+    async def main():
+        pool = _pool(ReplicaState.HEALTHY, ReplicaState.HEALTHY, kind="diffusion")
+        small, big = pool.replicas
+        small.info = EngineInfo("m", "diffusion", extra={"max_batch": 2})
+        big.info = EngineInfo("m", "diffusion", extra={"max_batch": 8})
+        picks = Counter([(await pool.acquire(cost=1)).replica.id for _ in range(10)])
+        # free rows: the big one keeps more free rows until it is down to the small one's
+        assert picks == {"m/1": 8, "m/0": 2}, picks
+    run(main())
+
+
+def test_request_cost():
+    assert request_cost("diffusion", {"n": 3, "max_tokens": 999}) == 3
+    assert request_cost("autoregressive", {"prompt": "x" * 400, "max_tokens": 50}) == 150
+    assert request_cost("autoregressive", {"messages": [{"role": "user", "content": "y" * 40}], "n": 2,
+                                            "max_completion_tokens": 5}) == 20
+    assert request_cost("autoregressive", {"messages": [{"content": [{"type": "text", "text": "z" * 8}]}]}) == 258
+    for junk in ({"messages": 5, "n": "x", "max_tokens": -3}, {"prompt": [[[[[[["deep"]]]]]]]}, {}):
+        assert request_cost("autoregressive", junk) > 0  # never raises on garbage
+
+
+def test_session_affinity_sticks_and_spills_over_under_load():
+    async def main():
+        pool = _pool(*[ReplicaState.HEALTHY] * 3, affinity_load_factor=1.25)
+        homes = {}
+        for user in ("alice", "bob", "carol", "dave"):
+            s = await pool.acquire(cost=1, key=user)
+            homes[user] = s.replica
+            pool.release(s)
+        for user, home in homes.items():  # light load: always the same replica
+            for _ in range(5):
+                s = await pool.acquire(cost=1, key=user)
+                assert s.replica is home
+                pool.release(s)
+        assert len(set(homes.values())) >= 2  # keys spread over replicas
+        # one hot session: it keeps its replica until that is over 1.25x the average, then spills
+        hot = [await pool.acquire(cost=1, key="alice") for _ in range(30)]
+        counts = Counter(s.replica.id for s in hot)
+        assert counts[homes["alice"].id] == max(counts.values()) and len(counts) == 3
+        assert max(counts.values()) <= 1.25 * 30 / 3 + 1
+    run(main())
+
+
+def test_without_affinity_the_key_is_ignored():
+    async def main():
+        pool = _pool(ReplicaState.HEALTHY, ReplicaState.HEALTHY)
+        picks = {(await pool.acquire(key="alice")).replica.id for _ in range(10)}
+        assert picks == {"m/0", "m/1"}
+    run(main())
+
+
+def test_a_retry_avoids_the_replica_that_failed():
+    async def main():
+        pool = _pool(ReplicaState.HEALTHY, ReplicaState.HEALTHY)
+        for _ in range(10):
+            s = await pool.acquire(exclude=["m/0"])
+            assert s.replica.id == "m/1"
+            pool.release(s)
+    run(main())
 
 
 def test_no_healthy_replica_is_503_and_says_why():
-    with pytest.raises(TandemError) as e:
-        _pool(ReplicaState.STARTING).pick()
-    assert e.value.kind is ErrorKind.NO_REPLICA and e.value.status == 503 and "starting" in e.value.message
-    with pytest.raises(TandemError, match="no healthy replica"):
-        _pool(ReplicaState.UNHEALTHY, ReplicaState.FAILED).pick()
+    async def main():
+        for states, why in (((ReplicaState.STARTING,), "starting"), ((ReplicaState.RESTARTING,), "restarting"),
+                            ((ReplicaState.FAILED, ReplicaState.PENDING), "no healthy replica")):
+            with pytest.raises(TandemError) as e:
+                await _pool(*states).acquire()
+            assert e.value.kind is ErrorKind.NO_REPLICA and e.value.status == 503 and why in e.value.message
+    run(main())
 
 
 def test_unknown_and_missing_model():
@@ -50,8 +140,7 @@ def test_ready_needs_every_model():
 
 
 def _full_pool(max_queue=2):
-    return ModelPool("m", "autoregressive", [Replica(id="m/0", model="m", handle=None, state=ReplicaState.HEALTHY)],
-                     max_in_flight=1, max_queue=max_queue)
+    return _pool(ReplicaState.HEALTHY, max_in_flight=1, max_queue=max_queue)
 
 
 def test_full_replicas_queue_fifo_then_429_with_retry_after():
@@ -67,10 +156,10 @@ def test_full_replicas_queue_fifo_then_429_with_retry_after():
         assert e.value.status == 429 and e.value.headers()["Retry-After"].isdigit()
         pool.release(first)
         r1 = await asyncio.wait_for(w1, 1)
-        assert r1 is first and r1.outstanding == 1 and not w2.done()  # FIFO, one slot, no overcommit
+        assert r1.replica is first.replica and r1.replica.outstanding == 1 and not w2.done()  # FIFO, no overcommit
         pool.release(r1)
-        assert (await asyncio.wait_for(w2, 1)).outstanding == 1
-    asyncio.run(main())
+        assert (await asyncio.wait_for(w2, 1)).replica.outstanding == 1
+    run(main())
 
 
 def test_a_request_past_its_queue_deadline_gets_408_and_leaves_the_queue():
@@ -80,7 +169,7 @@ def test_a_request_past_its_queue_deadline_gets_408_and_leaves_the_queue():
         with pytest.raises(TandemError) as e:
             await pool.acquire(deadline_s=0.05)
         assert e.value.status == 408 and pool.queued == 0
-    asyncio.run(main())
+    run(main())
 
 
 def test_a_cancelled_waiter_gives_its_slot_on():
@@ -93,8 +182,9 @@ def test_a_cancelled_waiter_gives_its_slot_on():
         gone.cancel()
         await asyncio.sleep(0)
         pool.release(first)
-        assert (await asyncio.wait_for(kept, 1)) is first and first.outstanding == 1
-    asyncio.run(main())
+        s = await asyncio.wait_for(kept, 1)
+        assert s.replica is first.replica and s.replica.outstanding == 1
+    run(main())
 
 
 def test_no_live_replica_is_503_even_with_a_queue():
@@ -104,4 +194,18 @@ def test_no_live_replica_is_503_even_with_a_queue():
         with pytest.raises(TandemError) as e:
             await pool.acquire()
         assert e.value.status == 503
-    asyncio.run(main())
+    run(main())
+
+
+def test_queued_requests_get_503_when_the_last_replica_fails():
+    async def main():
+        pool = _full_pool()
+        await pool.acquire()
+        waiter = asyncio.create_task(pool.acquire())
+        await asyncio.sleep(0)
+        pool.replicas[0].state = ReplicaState.RESTARTING
+        pool.fail_waiters_if_no_replica()
+        with pytest.raises(TandemError) as e:
+            await asyncio.wait_for(waiter, 1)
+        assert e.value.status == 503 and "restarting" in e.value.message and pool.queued == 0
+    run(main())
