@@ -52,10 +52,12 @@ class Service:
         self._stopping = False
         self.metrics = Metrics([m.name for m in config.models])
         self._metrics_server = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the one the service runs in
 
     async def start(self) -> None:
         """Create every replica and start them in the background; /ready says when they serve."""
         self.started_at = time.monotonic()
+        self.loop = asyncio.get_running_loop()
         for model in self.config.models:
             pool = self.router.pools[model.name]
             pool.replicas = self.deployment.create_replicas(model)

@@ -4,10 +4,10 @@ Told through ``engine_args`` (or attributes) to be slow (``token_delay_s``), to 
 (``fail``: "start", "request", "midstream"), or to hang (``hang``: true).
 
 Fault injection across processes (a fake inside a Ray actor): with ``engine_args.control_file``
-set, the engine reads that JSON file (``{"<pid>": "hang" | "raise"}``) before each token and
-each health check. A fault names the process, so it dies with it: the restarted replica is
-healthy again. ``hang``: tokens and health checks never return; ``raise``: requests and health
-checks fail, as an engine whose core died.
+set, the engine reads that JSON file (``{"<pid>": "hang" | "stall" | "raise"}``) before each token
+and each health check. A fault names the process, so it dies with it: the restarted replica is
+healthy again. ``hang``: tokens and health checks never return; ``stall``: tokens never come
+but health checks pass; ``raise``: requests and health checks fail, as an engine whose core died.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class FakeEngine:
         self.max_model_len: int = args.get("max_model_len", 64)
         self.control_file: str | None = args.get("control_file")
         self.broken = False
+        self.stall = False
         self.progress = 0
         self.running: set[str] = set()
         self.aborted: list[str] = []
@@ -48,12 +49,13 @@ class FakeEngine:
         except (OSError, ValueError):
             return
         self.hang = self.hang or fault == "hang"
+        self.stall = self.stall or fault == "stall"
         self.broken = self.broken or fault == "raise"
 
-    async def _step(self) -> None:
-        """Before each token: apply injected faults."""
+    async def _step(self, token: bool = True) -> None:
+        """Before each token (and health check): apply injected faults."""
         self._read_faults()
-        if self.hang:
+        if self.hang or (token and self.stall):
             await asyncio.Event().wait()
         if self.broken:
             raise RuntimeError("fake engine: its core died")
@@ -122,7 +124,7 @@ class FakeEngine:
         return request_id in self.running
 
     async def check_health(self) -> None:
-        await self._step()
+        await self._step(token=False)
 
     async def stats(self) -> EngineStats:
         return EngineStats(running=len(self.running), progress=self.progress)

@@ -3,13 +3,11 @@ across nodes; a node removed mid-load loses no request silently and the model ke
 Engines are fakes (the subject is placement and failure handling, not vLLM)."""
 
 import concurrent.futures as cf
-import json
 import time
 
-import httpx
 import pytest
 
-from tests.unit.gateway_server import fake_gateway
+from tests.unit.gateway_server import fake_gateway, stream_outcome
 
 
 @pytest.fixture(scope="module")
@@ -29,20 +27,7 @@ def cluster():
 
 
 def _stream(url: str) -> str:
-    """'ok' (whole answer), 'error' (an error status or event), never silence (bounded time)."""
-    body = {"model": "fake", "messages": [{"role": "user", "content": "x"}], "stream": True}
-    try:
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
-            if r.status_code != 200:
-                return "error"
-            events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
-    except httpx.HTTPError:
-        return "error"
-    if events and events[-1] == "[DONE]" and any("error" in json.loads(e) for e in events[:-1]):
-        return "error"
-    if events and events[-1] == "[DONE]" and sum("tok" in e for e in events) == 10:
-        return "ok"
-    return f"bad: {events[-3:]}"
+    return stream_outcome(url, 10)
 
 
 def test_replicas_spread_and_a_lost_node_loses_no_request(cluster):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 from contextlib import contextmanager
 
+import httpx
 import uvicorn
 
 from gateway.app import build_app
@@ -52,3 +54,34 @@ def fake_gateway(engine_args: dict | None = None, replicas: int = 1, models: tup
             import sys
             faulthandler.dump_traceback(sys.stderr)
         thread.join(10)
+
+
+def stream_outcome(url: str, num_tokens: int, model: str = "fake", timeout: float = 30) -> str:
+    """One streamed chat request: 'ok' (the whole answer), 'error' (an error status, or an error
+    event then [DONE]), else 'bad: ...' (silence, truncation, malformed). Bounded in time."""
+    body = {"model": model, "messages": [{"role": "user", "content": "x"}], "stream": True}
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                return "error"
+            events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    except httpx.HTTPError as e:
+        return f"bad: {type(e).__name__}"
+    if events and events[-1] == "[DONE]" and any("error" in json.loads(e) for e in events[:-1]):
+        return "error"
+    if events and events[-1] == "[DONE]" and sum("tok" in e for e in events) == num_tokens:
+        return "ok"
+    return f"bad: {events[-3:]}"
+
+
+def complete_outcome(url: str, num_tokens: int, model: str = "fake", timeout: float = 30) -> str:
+    """One non-streamed completion: 'ok' (the whole text), 'error' (an error status in the
+    envelope), else 'bad: ...'."""
+    try:
+        r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "x"}, timeout=timeout)
+    except httpx.HTTPError as e:
+        return f"bad: {type(e).__name__}"
+    if r.status_code == 200:
+        text = r.json()["choices"][0]["text"]
+        return "ok" if text.split() == [f"tok{i}" for i in range(num_tokens)] else f"bad: {text!r}"
+    return "error" if set(r.json().get("error", {})) == {"message", "type", "param", "code"} else f"bad: {r.text}"
