@@ -297,11 +297,13 @@ class Service:
         replicas = self.router.all_replicas()
 
         async def one(r: Replica) -> dict:
-            row = {"id": r.id, "model": r.model, "state": r.state.value, "outstanding": r.outstanding}
+            row = {"id": r.id, "model": r.model, "state": r.state.value, "outstanding": r.outstanding,
+                   "load": r.load, "restarts": r.restarts, "error": r.last_error}
             if r.state.live:
                 try:
                     s = await asyncio.wait_for(r.handle.stats(), timeout=5)
                     row["engine"] = {"running": s.running, "waiting": s.waiting, **s.extra}
+                    row.update(await asyncio.wait_for(r.handle.describe(), timeout=5))
                 except Exception as e:  # noqa: BLE001 - reported, not raised
                     row["engine_error"] = f"{type(e).__name__}: {e}"
             return row

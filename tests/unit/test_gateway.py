@@ -164,21 +164,46 @@ def test_metrics_count_requests_and_rejections_on_the_api_port(gw):
     assert value("tandem_requests_rejected_total", model="other", reason="unknown_model") == bad0 + 1
 
 
-def test_overload_burst_gets_429_with_retry_after_and_accepted_requests_complete():
+def test_overload_burst_gets_429_with_retry_after_and_accepted_requests_complete_within_their_deadline():
     import concurrent.futures as cf
 
-    extra = {"gateway": {"max_queue": 1}, "model_fields": {"max_in_flight_per_replica": 1}}
-    with fake_gateway({"num_tokens": 3, "token_delay_s": 0.1}, extra=extra) as (url, service, _):
+    extra = {"gateway": {"max_queue": 3}, "model_fields": {"max_in_flight_per_replica": 1}}
+    deadline_s = 0.5
+    with fake_gateway({"num_tokens": 3, "token_delay_s": 0.05}, extra=extra) as (url, service, _):
         def one(_):
-            return httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "p"}, timeout=30)
+            t0 = time.monotonic()
+            r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "p"}, timeout=30,
+                           headers={"x-tandem-queue-deadline-ms": str(int(deadline_s * 1000))})
+            return r, time.monotonic() - t0
 
-        with cf.ThreadPoolExecutor(8) as ex:
-            responses = list(ex.map(one, range(8)))  # 4x capacity (1 running + 1 queued)
-        codes = sorted(r.status_code for r in responses)
-        assert codes.count(429) >= 4 and set(codes) <= {200, 429}
-        assert all(r.headers["Retry-After"].isdigit() for r in responses if r.status_code == 429)
-        assert all(r.json()["choices"][0]["text"] == "tok0 tok1 tok2" for r in responses if r.status_code == 200)
+        with cf.ThreadPoolExecutor(16) as ex:
+            results = list(ex.map(one, range(16)))  # 4x capacity (1 running + 3 queued)
+        codes = sorted(r.status_code for r, _ in results)
+        assert codes.count(429) >= 8 and codes.count(200) >= 4 and set(codes) <= {200, 408, 429}, codes
+        assert all(r.headers["Retry-After"].isdigit() for r, _ in results if r.status_code == 429)
+        assert all(r.json()["choices"][0]["text"] == "tok0 tok1 tok2" for r, _ in results if r.status_code == 200)
+        # nobody waited in the queue past its deadline: queue wait + one service time (0.15 s) + slack
+        assert max(took for _, took in results) < deadline_s + 0.15 + 0.5, [round(t, 2) for _, t in results]
         assert service.in_flight() == 0 and service.router.pools["fake"].queued == 0
+
+
+def test_session_affinity_keeps_a_user_on_one_replica():
+    extra = {"model_fields": {"session_affinity": {"enabled": True}}}
+    with fake_gateway({"num_tokens": 2}, replicas=3, extra=extra) as (url, _, dep):
+        def served_by(**kw) -> str:
+            before = {rid: len(e.served) for rid, e in dep.engines.items()}
+            r = httpx.post(url + "/v1/chat/completions", timeout=10, **kw)
+            assert r.status_code == 200
+            return next(rid for rid, e in dep.engines.items() if len(e.served) > before[rid])
+
+        msg = [{"role": "user", "content": "x"}]
+        for user in ("alice", "bob", "carol"):
+            assert len({served_by(json={"model": "fake", "messages": msg, "user": user}) for _ in range(5)}) == 1
+        by_header = {served_by(json={"model": "fake", "messages": msg}, headers={"x-session-id": "s1"})
+                     for _ in range(5)}
+        assert len(by_header) == 1
+        homes = {served_by(json={"model": "fake", "messages": msg, "user": f"u{i}"}) for i in range(12)}
+        assert len(homes) >= 2  # different sessions spread
 
 
 def test_queue_deadline_header_sheds_with_408():
