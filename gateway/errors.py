@@ -21,6 +21,10 @@ class ErrorKind(str, Enum):
     QUEUE_TIMEOUT = "queue_timeout"  # waited past the request's deadline
     SHUTTING_DOWN = "shutting_down"
     NO_REPLICA = "no_replica"  # the model has no live replica
+    UNAUTHORIZED = "unauthorized"  # no or a wrong API key
+    RATE_LIMITED = "rate_limited"  # the key's requests or tokens per minute are spent
+    REQUEST_TOO_LARGE = "request_too_large"  # the body is over limits.max_body_bytes
+    REQUEST_TIMEOUT = "request_timeout"  # over limits.request_timeout_s
     ENGINE_ERROR = "engine_error"  # this request failed inside the engine
     ENGINE_DEAD = "engine_dead"  # the replica itself is gone
     INTERNAL = "internal"
@@ -34,6 +38,10 @@ STATUS_TABLE: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.NOT_FOUND: (404, "not_found_error"),
     ErrorKind.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
     ErrorKind.OVERLOADED: (429, "rate_limit_error"),
+    ErrorKind.UNAUTHORIZED: (401, "authentication_error"),
+    ErrorKind.RATE_LIMITED: (429, "rate_limit_error"),
+    ErrorKind.REQUEST_TOO_LARGE: (413, "invalid_request_error"),
+    ErrorKind.REQUEST_TIMEOUT: (504, "timeout_error"),
     ErrorKind.QUEUE_TIMEOUT: (408, "timeout_error"),
     ErrorKind.SHUTTING_DOWN: (503, "service_unavailable_error"),
     ErrorKind.NO_REPLICA: (503, "service_unavailable_error"),
@@ -46,6 +54,9 @@ STATUS_TABLE: dict[ErrorKind, tuple[int, str]] = {
 _CODES = {
     ErrorKind.CONTEXT_TOO_LONG: "context_length_exceeded",
     ErrorKind.MODEL_NOT_FOUND: "model_not_found",
+    ErrorKind.UNAUTHORIZED: "invalid_api_key",
+    ErrorKind.RATE_LIMITED: "rate_limit_exceeded",
+    ErrorKind.REQUEST_TOO_LARGE: "request_too_large",
 }
 
 
