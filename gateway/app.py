@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -15,50 +16,81 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.config import ModelConfig
-from gateway.errors import ErrorKind, TandemError, invalid
+from gateway.errors import ErrorKind, TandemError, invalid, request_timeout
 from gateway.metrics import now
+from gateway.openapi import request_body_schema
 from gateway.router import ModelPool, Slot, request_cost
+from gateway.security import SecurityError, check_limits, install_security
 from gateway.service import Service
 from gateway.streaming import ClientGone, sse_body, until_disconnect
 
 logger = logging.getLogger(__name__)
 
 
-def error_response(err: TandemError) -> JSONResponse:
+def error_response(err: TandemError, request: Request | None = None) -> JSONResponse:
+    """The one way an error leaves as HTTP. A 5xx names the request id (never a trace)."""
+    if err.status >= 500 and request is not None:
+        rid = _request_id(request)
+        err = TandemError(err.kind, f"{err.message} (request id: {rid})", err.param, err.retry_after)
     return JSONResponse(err.envelope(), status_code=err.status, headers=err.headers() or None)
 
 
-async def _read_json(request: Request) -> dict:
+def _request_id(request: Request) -> str:
+    return getattr(request.state, "request_id", None) or "unknown"
+
+
+async def _read_json(request: Request, max_depth: int) -> dict:
     raw = await request.body()
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise invalid(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise invalid(f"the request body is nested deeper than {max_depth} levels") from None
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, got {type(body).__name__}")
+    if _depth_over(body, max_depth):
+        raise invalid(f"the request body is nested deeper than {max_depth} levels")
     return body
+
+
+def _depth_over(value: object, limit: int) -> bool:
+    """Whether ``value`` nests deeper than ``limit`` (iterative: no recursion to exhaust)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(v, dict):
+            stack.extend((c, depth + 1) for c in v.values() if isinstance(c, (dict, list)))
+        elif isinstance(v, list):
+            stack.extend((c, depth + 1) for c in v if isinstance(c, (dict, list)))
+    return False
 
 
 async def _generate(request: Request, service: Service, route: str) -> Response:
     t0 = now()
     metrics = service.metrics
-    body = await _read_json(request)
+    config = service.config
+    body = await _read_json(request, config.limits.max_json_depth)
     model = metrics.model_label(body.get("model"))
     request.state.tandem_model = model
     if service.draining:
         raise TandemError(ErrorKind.SHUTTING_DOWN, "the server is shutting down; retry on another instance",
                           retry_after=1)
     pool = service.router.pool(body.get("model"))
-    deadline = _deadline(request)
+    check_limits(body, config.limits_for(pool.name), route)
+    request.app.state.limiter.check_tokens(getattr(request.state, "tandem_key_name", None), body)
+    timeout_at = _timeout_at(config.limits.request_timeout_s)
     cost = request_cost(pool.kind, body)
-    key = _session_key(request, body, service.config.model(pool.name))
-    request_id = f"{route}-{uuid.uuid4().hex}"
+    key = _session_key(request, body, config.model(pool.name))
+    request_id = f"{route}-{_request_id(request)}"
     tried: list[str] = []
     while True:
-        slot = await pool.acquire(deadline, cost=cost, key=key, exclude=tried)
+        slot = await _acquire(pool, request, timeout_at, cost, key, tried)
         metrics.in_flight.labels(model).inc()
         release = _releaser(pool, slot, metrics, model)
-        items = slot.replica.handle.generate(route, body, request_id)
+        items = slot.replica.handle.generate(route, body, request_id, timeout_at)
         try:
             first = await until_disconnect(request, anext(items))
         except ClientGone:
@@ -89,14 +121,35 @@ async def _generate(request: Request, service: Service, route: str) -> Response:
     if isinstance(first, str):
         metrics.ttft.labels(model).observe(now() - t0)
         return StreamingResponse(sse_body(first, items, release, _chunk_observer(metrics, model)),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     await items.aclose()
     release()
     if isinstance(first, TandemError):
         raise first
     metrics.observe_usage(model, first.get("usage"))
-    return JSONResponse(first, headers={"X-Request-Id": request_id})
+    return JSONResponse(first)
+
+
+def _timeout_at(timeout_s: float | None) -> float | None:
+    return None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+
+
+async def _acquire(pool: ModelPool, request: Request, timeout_at: float | None, cost: float, key: str | None,
+                   tried: list[str]) -> Slot:
+    """A slot, waiting in the queue no longer than the client's deadline header nor what is left
+    of the request timeout (504 when that is what ran out)."""
+    queue_deadline = _deadline(request)
+    if timeout_at is None:
+        return await pool.acquire(queue_deadline, cost=cost, key=key, exclude=tried)
+    left = max(0.0, timeout_at - asyncio.get_running_loop().time())
+    if queue_deadline is not None and queue_deadline <= left:
+        return await pool.acquire(queue_deadline, cost=cost, key=key, exclude=tried)
+    try:
+        return await pool.acquire(left, cost=cost, key=key, exclude=tried)
+    except TandemError as e:
+        if e.kind is ErrorKind.QUEUE_TIMEOUT:
+            raise request_timeout() from None
+        raise
 
 
 def _releaser(pool: ModelPool, slot: Slot, metrics, model: str):
@@ -164,7 +217,8 @@ def _chunk_observer(metrics, model: str):
 
 
 class MetricsMiddleware:
-    """Counts every request by (model, route template, status class) and times generations."""
+    """Gives every request an id (``X-Request-Id``), counts it by (model, route template, status
+    class) and times generations. Outermost: refusals at the edge (401, 413, 429) count too."""
 
     def __init__(self, app, service: Service):
         self.app = app
@@ -175,11 +229,14 @@ class MetricsMiddleware:
             return await self.app(scope, receive, send)
         t0 = now()
         status = 500
+        rid = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid  # in every answer, and in logs of its failures
 
         async def send_wrapper(message):
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
             await send(message)
 
         try:
@@ -199,9 +256,17 @@ def build_app(service: Service) -> FastAPI:
         finally:
             await service.stop()
 
-    app = FastAPI(title="tandem", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="tandem", version="0.1.0", lifespan=lifespan,
+                  description="One OpenAI-compatible gateway for autoregressive (vLLM) and block-diffusion LLMs.")
     app.state.service = service
-    app.add_middleware(MetricsMiddleware, service=service)
+    cfg = service.config
+
+    def on_reject(scope, err: SecurityError) -> None:
+        service.metrics.observe_rejected("other", err.kind)
+
+    app.state.limiter = install_security(app, cfg.auth, cfg.limits, cfg.cors, base_dir=cfg.config_dir,
+                                         on_reject=on_reject)
+    app.add_middleware(MetricsMiddleware, service=service)  # added last: outermost
 
     @app.exception_handler(TandemError)
     async def _tandem_error(request: Request, exc: TandemError):
@@ -210,7 +275,14 @@ def build_app(service: Service) -> FastAPI:
             model = "other"
             request.state.tandem_model = model
         service.metrics.observe_rejected(model, exc.kind)
-        return error_response(exc)
+        if exc.status >= 500:
+            logger.warning("request %s failed: %s", _request_id(request), exc.message)
+        return error_response(exc, request)
+
+    @app.exception_handler(SecurityError)
+    async def _security_error(request: Request, exc: SecurityError):
+        service.metrics.observe_rejected(getattr(request.state, "tandem_model", None) or "other", exc.kind)
+        return JSONResponse(exc.envelope(), status_code=exc.status, headers=exc.headers() or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -229,15 +301,20 @@ def build_app(service: Service) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        return error_response(TandemError(ErrorKind.INTERNAL, "internal server error"))
+        logger.exception("unexpected error on %s %s (request id %s)", request.method, request.url.path,
+                         _request_id(request))
+        return error_response(TandemError(ErrorKind.INTERNAL, "internal server error"), request)
 
-    @app.post("/v1/chat/completions")
+    models = [m.name for m in cfg.models]
+
+    @app.post("/v1/chat/completions", openapi_extra=request_body_schema("chat", models, cfg.limits))
     async def chat_completions(request: Request) -> Response:
+        """Chat completion (OpenAI's API): streamed as server-sent events with `stream: true`."""
         return await _generate(request, service, "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body_schema("completions", models, cfg.limits))
     async def completions(request: Request) -> Response:
+        """Text completion (OpenAI's API): streamed as server-sent events with `stream: true`."""
         return await _generate(request, service, "completions")
 
     @app.get("/v1/models")

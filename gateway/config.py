@@ -13,6 +13,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.security import AuthConfig, CorsConfig, LimitsConfig, resolve_keys
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 BUILTIN_PREFIX = "builtin:"
@@ -63,6 +65,9 @@ class ModelConfig(_Strict):
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables for the replica's process.")
     session_affinity: SessionAffinity = Field(default_factory=SessionAffinity,
                                               description="Optional session affinity (autoregressive only).")
+    max_tokens_ceiling: int | None = Field(
+        None, ge=1, description="Largest max_tokens / max_completion_tokens a request to this model may ask for "
+        "(overrides limits.max_tokens_ceiling).")
     max_restarts: int = Field(-1, ge=-1, description="How often Ray restarts a replica's actor that died or was "
                               "killed for being stuck (-1: always).")
 
@@ -126,6 +131,12 @@ class TandemConfig(_Strict):
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys and their rate limits (off "
+                             "by default: without keys every request is served).")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Input limits and the request timeout.")
+    cors: CorsConfig = Field(default_factory=CorsConfig, description="CORS for browser clients (off by default).")
+    config_dir: Path = Field(Path("."), description="Where relative paths in the config (key files) are resolved; "
+                             "set by the loader to the config file's folder.")
     models: list[ModelConfig] = Field(min_length=1, description="The models to serve.")
     models_dir: Path = Field(REPO_ROOT / "models", description="Where built-in tiny models are built.")
 
@@ -140,6 +151,13 @@ class TandemConfig(_Strict):
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
+
+    def limits_for(self, model: str) -> LimitsConfig:
+        """The input limits of one model: the global ones with its own max_tokens ceiling."""
+        m = self.model(model)
+        if m is None or m.max_tokens_ceiling is None:
+            return self.limits
+        return self.limits.model_copy(update={"max_tokens_ceiling": m.max_tokens_ceiling})
 
 
 def _format_errors(path: Path, err: ValidationError) -> str:
@@ -159,6 +177,12 @@ def parse_config(data: Any, path: Path = Path("<config>")) -> TandemConfig:
         raise ConfigError(_format_errors(path, e)) from None
     if not cfg.models_dir.is_absolute():
         cfg = cfg.model_copy(update={"models_dir": (path.parent / cfg.models_dir).resolve()})
+    if "config_dir" not in data:
+        cfg = cfg.model_copy(update={"config_dir": path.parent.resolve()})
+    try:
+        resolve_keys(cfg.auth, base_dir=cfg.config_dir)  # a missing key file or variable fails now, not per request
+    except ValueError as e:
+        raise ConfigError(f"{path}: invalid configuration\n  auth: {e}") from None
     return cfg
 
 

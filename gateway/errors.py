@@ -114,3 +114,8 @@ def kind_for_status(status: int) -> ErrorKind:
 
 def invalid(message: str, param: str | None = None) -> TandemError:
     return TandemError(ErrorKind.INVALID_REQUEST, message, param)
+
+
+def request_timeout() -> TandemError:
+    return TandemError(ErrorKind.REQUEST_TIMEOUT, "the request took longer than the server's limit "
+                       "(limits.request_timeout_s); retry, or ask for fewer tokens")

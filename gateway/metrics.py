@@ -27,7 +27,8 @@ REJECT_REASONS = {
     ErrorKind.INVALID_REQUEST: "invalid", ErrorKind.CONTEXT_TOO_LONG: "context_too_long",
     ErrorKind.MODEL_NOT_FOUND: "unknown_model", ErrorKind.OVERLOADED: "overloaded",
     ErrorKind.NO_REPLICA: "no_replica", ErrorKind.QUEUE_TIMEOUT: "queue_timeout",
-    ErrorKind.SHUTTING_DOWN: "shutting_down",
+    ErrorKind.SHUTTING_DOWN: "shutting_down", ErrorKind.UNAUTHORIZED: "unauthorized",
+    ErrorKind.RATE_LIMITED: "rate_limited", ErrorKind.REQUEST_TOO_LARGE: "too_large",
 }
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)

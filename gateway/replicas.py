@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
-from gateway.errors import ErrorKind, TandemError
-from workers.channel import Demux, items_of
+from gateway.errors import ErrorKind, TandemError, request_timeout
+from workers.channel import END, Demux, items_of
 from workers.protocol import EngineInfo, EngineStats, Item, ReplicaHealth
 
 logger = logging.getLogger(__name__)
@@ -144,10 +144,21 @@ class ChannelReplicaHandle:
     async def describe(self) -> dict:
         return await self.call("describe")
 
-    async def generate(self, route: str, body: dict, request_id: str) -> AsyncIterator[Item]:
+    async def generate(self, route: str, body: dict, request_id: str,
+                       timeout_at: float | None = None) -> AsyncIterator[Item]:
+        """The request's items. Past ``timeout_at`` (loop time) it ends with a 504 error (an error
+        event if it had begun streaming) and is aborted in the engine."""
         demux = self._channel()
         queue = demux.register(request_id)
         finished = False
+        timer = None
+        if timeout_at is not None:
+            def expire() -> None:
+                nonlocal finished
+                finished = None  # neither finished nor abandoned by the client: abort it there
+                queue.put_nowait(request_timeout())
+                queue.put_nowait(END)
+            timer = asyncio.get_running_loop().call_at(timeout_at, expire)
         try:
             try:
                 await self.call("submit", self.channel_id, route, body, request_id)
@@ -157,10 +168,13 @@ class ChannelReplicaHandle:
                 raise self._dead(e) from e
             async for item in items_of(queue):
                 yield item
-            finished = True
+            if finished is not None:
+                finished = True
         finally:
+            if timer is not None:
+                timer.cancel()
             demux.unregister(request_id)
-            if not finished:  # the client went away (or the stream failed): abort it there
+            if not finished:  # the client went away, the stream failed or timed out: abort it there
                 asyncio.ensure_future(self._abort_quietly(request_id))
 
     async def _abort_quietly(self, request_id: str) -> None:

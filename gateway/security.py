@@ -112,6 +112,8 @@ class LimitsConfig(_Strict):
     max_prompt_chars: int | None = Field(1_000_000, ge=1, description="Most characters of prompt or message text "
                                          "in one request (token-id prompts are left to the engine's context "
                                          "check). None: no limit.")
+    max_json_depth: int = Field(32, ge=4, description="Deepest nesting of the JSON body (OpenAI requests need "
+                                "under 10; deeper is 400 before anything recurses over it).")
     request_timeout_s: float | None = Field(600, gt=0, description="Wall-clock limit on one request, queueing and "
                                             "generation included; the app enforces it. None: no limit.")
 

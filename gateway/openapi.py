@@ -1,0 +1,78 @@
+"""The request bodies of the OpenAI routes, as JSON Schema for tandem's OpenAPI document.
+
+The routes take the raw body (validation is the engines': vLLM's own models, the diffusion
+engine's), so FastAPI cannot infer these; they are declared here for clients, docs and the
+schema-driven fuzz tests. Bounds follow the OpenAI API and tandem's own limits, so a request
+that fits the schema is one tandem should answer without a 5xx.
+"""
+
+from __future__ import annotations
+
+from gateway.security import LimitsConfig
+
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART, "minItems": 1}]},
+        "name": {"type": "string", "minLength": 1, "maxLength": 64},
+    },
+}
+_STOP = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1},
+                                                          "maxItems": 4}, {"type": "null"}]}
+_DIFFUSION = {
+    "type": "object",
+    "description": "Diffusion models only: denoising knobs (defaults: the model's generation config).",
+    "properties": {
+        "max_denoising_steps": {"type": "integer", "minimum": 1, "maximum": 64},
+        "entropy_bound": {"type": "number", "exclusiveMinimum": 0},
+        "stability_threshold": {"type": "integer", "minimum": 1},
+        "confidence_threshold": {"type": "number", "minimum": 0, "maximum": 1},
+        "t_min": {"type": "number", "minimum": 0, "maximum": 1},
+        "t_max": {"type": "number", "minimum": 0, "maximum": 1},
+        "previews": {"type": "boolean"},
+    },
+}
+
+
+def request_body_schema(route: str, models: list[str], limits: LimitsConfig) -> dict:
+    """``openapi_extra`` for one generation route: its JSON request body."""
+    max_tokens = {"type": ["integer", "null"], "minimum": 1}
+    if limits.max_tokens_ceiling is not None:
+        max_tokens["maximum"] = limits.max_tokens_ceiling
+    n = {"type": ["integer", "null"], "minimum": 1}
+    if limits.max_n is not None:
+        n["maximum"] = limits.max_n
+    common = {
+        "model": {"enum": models, "description": "A configured model (GET /v1/models)."},
+        "max_tokens": max_tokens,
+        "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+        "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
+        "n": n,
+        "stream": {"type": ["boolean", "null"]},
+        "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
+        "stop": _STOP,
+        "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
+        "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+        "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+        "user": {"type": "string", "maxLength": 256},
+        "diffusion": _DIFFUSION,
+    }
+    if route == "chat":
+        props = {**common, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+                 "max_completion_tokens": max_tokens,
+                 "logprobs": {"type": ["boolean", "null"]},
+                 "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20}}
+        required = ["model", "messages"]
+    else:
+        props = {**common, "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                                                {"type": "array", "items": {"type": "string", "minLength": 1},
+                                                 "minItems": 1, "maxItems": 8}]},
+                 "echo": {"type": ["boolean", "null"]},
+                 "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 5}}
+        required = ["model", "prompt"]
+    schema = {"type": "object", "required": required, "properties": props}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
