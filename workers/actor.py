@@ -111,10 +111,9 @@ class EngineActor:
 
     def describe(self) -> dict:
         """Where this replica runs: Ray node, process, incarnation (/admin/replicas, fault tests)."""
-        try:
-            node = self.node_id()
-        except Exception:  # noqa: BLE001 - not in Ray (unit tests)
-            node = None
+        import ray
+
+        node = self.node_id() if ray.is_initialized() else None  # None: in-process (unit tests)
         return {"node_id": node, "pid": os.getpid(), "incarnation": self.incarnation}
 
     async def stats(self) -> EngineStats:
