@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from gateway.errors import ErrorKind, TandemError, invalid, kind_for_status
-from workers.protocol import EngineInfo, EngineStats, Item
+from workers.protocol import DONE, EngineInfo, EngineStats, Item
 
 logger = logging.getLogger(__name__)
 
@@ -159,14 +159,16 @@ class VllmEngine:
                      ) -> AsyncIterator[Item]:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+        from vllm.exceptions import VLLMClientError
 
         try:
+            # vLLM's request models raise its own VLLMValidationError from validators (not a
+            # ValueError, so pydantic does not wrap it): a 400 like the rest, as vLLM's server says.
             request = request_cls.model_validate({**body, "request_id": request_id})
+            result = await handle(request)
         except ValidationError as e:
             yield _validation_error(e)
             return
-        try:
-            result = await handle(request)
         except Exception as e:  # noqa: BLE001 - vLLM raises some request errors; map them as its server does
             result = create_error_response(e)
         if isinstance(result, ErrorResponse):
@@ -177,8 +179,14 @@ class VllmEngine:
         elif isinstance(result, BaseModel):
             yield result.model_dump(mode="json")
         else:
-            async for chunk in result:
-                yield chunk
+            streamed = False
+            try:
+                async for chunk in result:
+                    streamed = True
+                    yield chunk
+            except VLLMClientError as e:  # a request error found while streaming: its own answer, not a 500
+                err = _from_vllm_error(create_error_response(e))
+                yield err.sse() + DONE if streamed else err
 
     async def abort(self, request_id: str) -> bool:
         # Requests are aborted by cancelling their iterator (vLLM aborts on CancelledError);
