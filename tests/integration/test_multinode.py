@@ -5,6 +5,7 @@ Engines are fakes (the subject is placement and failure handling, not vLLM)."""
 import concurrent.futures as cf
 import time
 
+import httpx
 import pytest
 
 from tests.unit.gateway_server import fake_gateway, stream_outcome
@@ -27,7 +28,12 @@ def cluster():
 
 
 def _stream(url: str) -> str:
-    return stream_outcome(url, 30, timeout=60)
+    return stream_outcome(url, 80, timeout=60)
+
+
+def _short(url: str) -> str:
+    r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": 3}, timeout=30)
+    return r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
 
 
 def test_replicas_spread_and_a_lost_node_loses_no_request(cluster):
@@ -37,7 +43,7 @@ def test_replicas_spread_and_a_lost_node_loses_no_request(cluster):
 
     c, nodes = cluster
     extra = {"model_fields": {"resources": {"num_gpus": 1, "num_cpus": 1},
-                              "engine_args": {"num_tokens": 30, "token_delay_s": 0.1}}}
+                              "engine_args": {"num_tokens": 80, "token_delay_s": 0.1}}}
     with fake_gateway(replicas=2, extra=extra, deployment_factory=lambda cfg: RayDeployment(cfg, engine_key="fake")) \
             as (url, service, deployment):
         handles = [r.handle.actor for r in service.router.all_replicas()]
@@ -45,7 +51,7 @@ def test_replicas_spread_and_a_lost_node_loses_no_request(cluster):
         assert len(set(node_ids)) == 2  # one per GPU node
         with cf.ThreadPoolExecutor(8) as ex:
             futures = [ex.submit(_stream, url) for _ in range(8)]
-            time.sleep(0.5)  # mid-stream (3 s streams)
+            time.sleep(0.5)  # mid-stream (8 s streams: the node is declared dead within them)
             c.remove_node(nodes[0])
             results = [f.result(timeout=60) for f in futures]
         assert all(r in ("ok", "error") for r in results), results  # nothing lost, nothing malformed
@@ -54,7 +60,7 @@ def test_replicas_spread_and_a_lost_node_loses_no_request(cluster):
         while len(service.router.pools["fake"].healthy()) != 1:
             assert time.monotonic() < deadline, "the dead replica never left the rotation"
             time.sleep(0.1)
-        assert [_stream(url) for _ in range(3)] == ["ok"] * 3  # the survivor serves
+        assert [_short(url) for _ in range(3)] == ["tok0 tok1 tok2"] * 3  # the survivor serves
         # a new GPU node joins: Ray restarts the lost replica there and it rejoins the rotation
         c.add_node(num_cpus=1, num_gpus=1)
         deadline = time.monotonic() + 90
