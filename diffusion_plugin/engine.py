@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from diffusion_plugin import params as P
+from diffusion_plugin.images import ImageLimits, extract_images, load_images
 from diffusion_plugin.loop import DiffusionLoop, SeqEvent
 from diffusion_plugin.request import FINISH_REASON, SamplingParams, SeqStatus, Sequence
 from gateway.errors import ErrorKind, TandemError, invalid
@@ -33,11 +34,13 @@ class DiffusionEngine:
         self.row_boundaries = args.pop("boundaries", "block") == "row"
         self.dtype = args.pop("dtype", "float32")
         self.num_threads = args.pop("num_threads", None)
+        self.image_limits = ImageLimits.from_engine_args(args)
         if args:
             raise ValueError(f"engine_args.{next(iter(args))}: not a diffusion engine argument")
         self.adapter = None
         self.loop: DiffusionLoop | None = None
         self._requests: dict[str, list[str]] = {}
+        self.image_stats = {"images": 0, "image_requests": 0, "image_encode_s": 0.0}
 
     async def start(self) -> EngineInfo:
         from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
@@ -60,20 +63,47 @@ class DiffusionEngine:
     def completions(self, body: dict, request_id: str) -> AsyncIterator[Item]:
         return self._serve(body, request_id, chat=False)
 
-    def _prompt_ids(self, req, chat: bool) -> list[int]:
+    def _prompt_ids(self, messages: list | None, prompt: str | None) -> list[int]:
         tok = self.adapter.tokenizer
-        if chat:
+        if messages is not None:
             try:
-                return tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True,
+                return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                return_dict=False)
             except Exception as e:  # noqa: BLE001 - a malformed message is the client's error
                 raise invalid(f"messages: cannot apply the chat template: {e}", param="messages") from None
-        return tok(req.prompt).input_ids
+        return tok(prompt).input_ids
+
+    async def _images(self, messages: list) -> tuple[list, object | None]:
+        """The messages with image parts as placeholders, and the request's encoded images (None
+        without any). Decoding and the vision tower run in a worker thread, not in the denoise
+        loop: a large image delays its own request, not the other sequences' steps."""
+        messages, sources = extract_images(messages, self.image_limits)
+        if not sources:
+            return messages, None
+        if not self.adapter.has_vision:
+            raise invalid(f"messages: model {self.model!r} does not take image input", "messages")
+        pictures = await load_images(sources, self.image_limits)
+        t0 = time.perf_counter()
+        embeds = await asyncio.to_thread(self.adapter.encode_images, pictures)
+        self.image_stats["image_encode_s"] += time.perf_counter() - t0
+        self.image_stats["images"] += len(pictures)
+        self.image_stats["image_requests"] += 1
+        return messages, embeds
 
     async def _serve(self, body: dict, request_id: str, chat: bool) -> AsyncIterator[Item]:
         try:
             req = P.parse(P.ChatBody if chat else P.CompletionBody, body)
-            prompt_ids = self._prompt_ids(req, chat)
+            images = None
+            if chat:
+                messages, images = await self._images(req.messages)
+                prompt_ids = self._prompt_ids(messages, None)
+            else:
+                prompt_ids = self._prompt_ids(None, req.prompt)
+            if images is not None:
+                try:
+                    prompt_ids = self.adapter.expand_image_tokens(prompt_ids, images.num_soft_tokens)
+                except ValueError as e:
+                    raise invalid(f"messages: {e}", "messages") from None
             knobs = P.resolve(req, self.adapter.defaults())
         except TandemError as e:
             yield e
@@ -90,7 +120,8 @@ class DiffusionEngine:
         seqs = [Sequence(seq_id=f"{request_id}-{i}", prompt_ids=list(prompt_ids),
                          params=SamplingParams(max_tokens=max_tokens, seed=seed + i,
                                                eos_token_ids=self.adapter.eos_token_ids,
-                                               previews=req.diffusion.previews and req.stream, **knobs))
+                                               previews=req.diffusion.previews and req.stream, **knobs),
+                         images=images)
                 for i in range(req.n)]
         self._requests[request_id] = [s.seq_id for s in seqs]
         merged: asyncio.Queue = asyncio.Queue()
@@ -171,7 +202,8 @@ class DiffusionEngine:
             "busy_s": self.loop.stats.busy_s, "errors": self.loop.stats.errors,
             "admitted": self.loop.stats.admitted, "admission_wait_sum_s": self.loop.stats.admission_wait_sum_s,
             "block_seconds": self.loop.stats.block_seconds, "active_batch": len(s.running),
-            "canvas_occupancy": len(s.running) / s.max_batch}, progress=st.row_steps + st.encode_passes)
+            "canvas_occupancy": len(s.running) / s.max_batch, **self.image_stats},
+            progress=st.row_steps + st.encode_passes)
 
     async def shutdown(self) -> None:
         if self.loop is not None:

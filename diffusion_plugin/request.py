@@ -60,6 +60,9 @@ class Sequence:
     admitted_at: float | None = None
     block_started: float = 0.0
     error: str | None = None
+    # The request's encoded images (the family's ImageEmbeds; opaque here): used by this
+    # sequence's prompt pass only, then dropped.
+    images: object | None = None
 
     @property
     def num_cached(self) -> int:

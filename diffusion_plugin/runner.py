@@ -35,6 +35,7 @@ class _Row:
     history: torch.Tensor | None = None
     argmax: torch.Tensor | None = None
     version: int = 0  # bumped when the cache changes
+    images: object | None = None  # this sequence's own image features, until its prompt pass
 
 
 class _LayerView:
@@ -63,7 +64,8 @@ class Runner:
     def admit(self, seq: Sequence) -> None:
         gen = torch.Generator(device=self.adapter.device).manual_seed(seq.params.seed)
         pending = torch.tensor([seq.prompt_ids], dtype=torch.long, device=self.adapter.device)
-        self.rows[seq.seq_id] = _Row(seq=seq, cache=self.adapter.new_cache(), generator=gen, pending=pending)
+        self.rows[seq.seq_id] = _Row(seq=seq, cache=self.adapter.new_cache(), generator=gen, pending=pending,
+                                     images=seq.images)
 
     def free(self, seq_id: str) -> None:
         self.rows.pop(seq_id, None)  # a cached K/V view still holding it is sliced, not reused whole
@@ -87,10 +89,12 @@ class Runner:
         encoding = [self.rows[s] for s in batch.encode]
         if encoding:
             t = time.perf_counter()
+            images = [r.images for r in encoding]
             self.adapter.encode([r.cache for r in encoding], [r.pending for r in encoding],
-                                [r.cur_len for r in encoding])
+                                [r.cur_len for r in encoding], images if any(i is not None for i in images) else None)
             forward_s += time.perf_counter() - t
         for row in encoding:
+            row.images = row.seq.images = None  # in the cache now: the features are freed
             row.cur_len += row.pending.shape[1]
             row.version += 1
             row.canvas = self.adapter.init_canvas(row.generator)

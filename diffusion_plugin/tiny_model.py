@@ -29,6 +29,19 @@ from __future__ import annotations
 from pathlib import Path
 
 EXTRA_SPECIAL_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+PATCH_SIZE, POOLING_KERNEL, MAX_SOFT_TOKENS = 4, 2, 70
+# ChatML, with image parts rendered as the image placeholder the processor expands.
+CHAT_TEMPLATE_WITH_IMAGES = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% elif part['type'] == 'image' %}{{ '<image_soft_token>' }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 CANVAS_LENGTH = 32
 INITIALIZER_RANGE = 0.2
 SELF_CONDITIONING_SCALE = 0.1
@@ -48,6 +61,7 @@ def build_tiny_diffusiongemma(out: Path, seed: int = 0) -> None:
         DiffusionGemmaGenerationConfig,
         EntropyBoundSamplerConfig,
     )
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     from workers.tiny_models import SPECIAL_TOKENS, build_tokenizer
 
@@ -56,7 +70,10 @@ def build_tiny_diffusiongemma(out: Path, seed: int = 0) -> None:
     base_len = build_tokenizer(out)
     tok = AutoTokenizer.from_pretrained(out)
     tok.add_special_tokens({"extra_special_tokens": EXTRA_SPECIAL_TOKENS}, replace_extra_special_tokens=False)
+    tok.chat_template = CHAT_TEMPLATE_WITH_IMAGES
     tok.save_pretrained(out)
+    Gemma4ImageProcessorPil(patch_size=PATCH_SIZE, max_soft_tokens=MAX_SOFT_TOKENS,
+                            pooling_kernel_size=POOLING_KERNEL).save_pretrained(out)
     vocab = len(tok)
     boi, eoi, image = tok.convert_tokens_to_ids(EXTRA_SPECIAL_TOKENS)
     assert (boi, eoi, image) == (base_len, base_len + 1, base_len + 2), (boi, eoi, image, base_len)
@@ -82,10 +99,14 @@ def build_tiny_diffusiongemma(out: Path, seed: int = 0) -> None:
         pad_token_id=ids["<pad>"],
         bos_token_id=ids["<s>"],
         eos_token_id=ids["<|im_end|>"],
+        use_bidirectional_attention="vision",  # as the larger Gemma 4 models: images attend within themselves
     )
-    vision_config = Gemma4VisionConfig(  # unused by text generation, but the encoder always builds it
+    # A tiny vision tower with the processor's geometry: 4-px patches pooled 2x2, at most 70 soft
+    # tokens per image (280 patches, up to 140 patches on a side, hence the position table).
+    vision_config = Gemma4VisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2, position_embedding_size=64,
+        num_key_value_heads=2, head_dim=16, patch_size=PATCH_SIZE, pooling_kernel_size=POOLING_KERNEL,
+        position_embedding_size=160,
     )
     config = DiffusionGemmaConfig(
         text_config=text_config,

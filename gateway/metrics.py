@@ -58,6 +58,10 @@ ENGINE_METRICS = {
     "forward_s": ("tandem_diffusion_forward_seconds", "counter", "Seconds inside model forwards."),
     "busy_s": ("tandem_diffusion_busy_seconds", "counter", "Seconds inside batcher steps."),
     "errors": ("tandem_diffusion_failed_batches", "counter", "Batched steps that failed."),
+    "images": ("tandem_diffusion_images", "counter", "Images received (divide by image_requests: per request)."),
+    "image_requests": ("tandem_diffusion_image_requests", "counter", "Requests that carried images."),
+    "image_encode_s": ("tandem_diffusion_image_encode_seconds", "counter",
+                       "Seconds decoding images and running the vision tower (off the denoise loop)."),
 }
 
 

@@ -12,12 +12,19 @@ from gateway.security import LimitsConfig
 
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_IMAGE_PART = {"type": "object", "required": ["type", "image_url"],
+               "description": "An image (models with vision input): a data:image/...;base64 URL, or http(s) where "
+                              "the deployment fetches images.",
+               "properties": {"type": {"const": "image_url"},
+                              "image_url": {"type": "object", "required": ["url"],
+                                            "properties": {"url": {"type": "string"}}}}}
 _MESSAGE = {
     "type": "object",
     "required": ["role", "content"],
     "properties": {
         "role": {"enum": ["system", "developer", "user", "assistant"]},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART, "minItems": 1}]},
+        "content": {"anyOf": [{"type": "string"},
+                              {"type": "array", "items": {"anyOf": [_TEXT_PART, _IMAGE_PART]}, "minItems": 1}]},
         "name": {"type": "string", "minLength": 1, "maxLength": 64},
     },
 }

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "models"
 TINY_LLAMA = "tiny-llama"
-BUILD_VERSION = 1  # bump when the recipe changes, so stale builds are rebuilt
+BUILD_VERSION = 2  # bump when the recipe changes, so stale builds are rebuilt
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (

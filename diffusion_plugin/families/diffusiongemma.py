@@ -9,12 +9,41 @@ in the reference's order: canvas init per block; per step the multinomial, then 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from diffusion_plugin.attention import ATTN_NAME, ENCODE, EncodeCacheView, EncodeSpec, register
 from diffusion_plugin.request import SamplingParams
 
 FAMILY = "diffusiongemma"
+
+
+@dataclass
+class ImageEmbeds:
+    """One request's images, encoded: what its prompt pass scatters into its placeholders."""
+
+    features: torch.Tensor  # the vision tower's soft tokens, all images in order
+    num_soft_tokens: list[int]  # per image
+    pixel_values: torch.Tensor  # kept for parity checks against generate()
+    image_position_ids: torch.Tensor
+
+
+def _image_processor(path: str):
+    """The checkpoint's image processor; the PIL backend where torchvision is missing (the CPU
+    wheels here), else what AutoImageProcessor picks. None without a preprocessor config."""
+    from pathlib import Path
+
+    if Path(path).is_dir() and not (Path(path) / "preprocessor_config.json").exists():
+        return None
+    try:
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(path)
+    except (ImportError, ValueError, OSError):
+        from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+        return Gemma4ImageProcessorPil.from_pretrained(path)
 
 
 class DiffusionGemmaAdapter:
@@ -38,6 +67,16 @@ class DiffusionGemmaAdapter:
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_ids = tuple(eos if isinstance(eos, (list, tuple)) else [eos])
         self.max_position = getattr(cfg.text_config, "max_position_embeddings", None)
+        # Vision input: the checkpoint's own image processor (preprocessor_config.json) and tokens.
+        self.image_processor = _image_processor(path) if getattr(cfg, "vision_config", None) is not None else None
+        self.image_token_id = getattr(cfg, "image_token_id", None)
+        self.boi_token_id, self.eoi_token_id = getattr(cfg, "boi_token_id", None), getattr(cfg, "eoi_token_id", None)
+        # Larger Gemma 4 models attend bidirectionally within each image in the prompt pass.
+        self.vision_blocks = getattr(cfg.text_config, "use_bidirectional_attention", None) == "vision"
+
+    @property
+    def has_vision(self) -> bool:
+        return self.image_processor is not None and self.image_token_id is not None
 
     def defaults(self) -> dict:
         """The model's generation-config defaults for the per-request knobs."""
@@ -60,31 +99,70 @@ class DiffusionGemmaAdapter:
 
         return DynamicCache(config=self.model.config.get_text_config(decoder=True))
 
+    # -- images -----------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, images: list) -> ImageEmbeds:
+        """One request's images through the processor and the vision tower, as the encoder's own
+        prompt pass would (``get_image_features``). Called off the denoise loop, per request."""
+        inputs = self.image_processor(images=images, return_tensors="pt")
+        pixel_values = inputs["pixel_values"].to(self.device, self.model.dtype)
+        positions = inputs["image_position_ids"].to(self.device)
+        features = self.model.model.encoder.get_image_features(pixel_values, positions, return_dict=True).pooler_output
+        return ImageEmbeds(features=features, num_soft_tokens=[int(n) for n in inputs["num_soft_tokens_per_image"]],
+                           pixel_values=pixel_values, image_position_ids=positions)
+
+    def expand_image_tokens(self, ids: list[int], num_soft_tokens: list[int]) -> list[int]:
+        """Each image placeholder of the templated prompt becomes ``boi, image x n, eoi`` (what
+        the model's processor does to the text). Raises ValueError on a count mismatch."""
+        out, k = [], 0
+        for t in ids:
+            if t != self.image_token_id:
+                out.append(t)
+                continue
+            if k >= len(num_soft_tokens):
+                raise ValueError(f"the prompt holds more image placeholders than the {len(num_soft_tokens)} images")
+            out += [self.boi_token_id, *[self.image_token_id] * num_soft_tokens[k], self.eoi_token_id]
+            k += 1
+        if k != len(num_soft_tokens):
+            raise ValueError(f"{len(num_soft_tokens)} images but {k} image placeholders after the chat template")
+        return out
+
     # -- model calls ------------------------------------------------------------------
     @torch.no_grad()
-    def encode(self, caches: list, token_ids: list[torch.Tensor], starts: list[int]) -> None:
+    def encode(self, caches: list, token_ids: list[torch.Tensor], starts: list[int],
+               images: list[ImageEmbeds | None] | None = None) -> None:
         """One batched causal encoder pass (prefills and commits of several sequences); each
-        row's K/V go to its own cache, with the mask that row would get alone."""
+        row's K/V go to its own cache, with the mask that row would get alone. A prefill row with
+        ``images`` gets its own image features at its own placeholders (and, for models that
+        attend within images bidirectionally, its own image blocks in its mask)."""
         cfg = self.model.config
         encoder = self.model.model.encoder
+        embed = encoder.get_input_embeddings()
+        images = images or [None] * len(caches)
         lengths = [t.shape[1] for t in token_ids]
         longest = max(lengths)
-        masks, ids, positions = [], [], []
+        masks, embeds, positions = [], [], []
         pad = self.tokenizer.pad_token_id or 0
-        for cache, toks, start in zip(caches, token_ids, starts, strict=True):
+        for cache, toks, start, image in zip(caches, token_ids, starts, images, strict=True):
             n = toks.shape[1]
             pos = torch.arange(start, start + n, dtype=torch.int32, device=self.device).unsqueeze(0)
+            mm_types = (toks == self.image_token_id).long() if image is not None and self.vision_blocks else None
             masks.append(encoder.create_masks_for_generate(
                 config=cfg, inputs_embeds=torch.empty((1, n, 0), dtype=self.model.dtype, device=self.device),
                 attention_mask=torch.ones((1, start + n), dtype=torch.bool, device=self.device),
-                past_key_values=cache, position_ids=pos))
-            ids.append(torch.nn.functional.pad(toks, (longest - n, 0), value=pad))
+                past_key_values=cache, position_ids=pos, mm_token_type_ids=mm_types))
+            ids = torch.nn.functional.pad(toks, (longest - n, 0), value=pad)
+            row = embed(ids)  # what the encoder does with input_ids, row by row (a lookup: same values)
+            if image is not None:
+                where = (ids == self.image_token_id).unsqueeze(-1)
+                row = row.masked_scatter(where, image.features.to(row.device, row.dtype))
+            embeds.append(row)
             positions.append(torch.nn.functional.pad(pos, (longest - n, 0), value=0))
         spec = EncodeSpec(caches, lengths, masks)
         token = ENCODE.set(spec)
         try:
             placeholder = {t: None for t in set(self.layer_types)}  # real masks are per row, in the spec
-            encoder(input_ids=torch.cat(ids), attention_mask=placeholder, past_key_values=EncodeCacheView(spec),
+            encoder(inputs_embeds=torch.cat(embeds), attention_mask=placeholder, past_key_values=EncodeCacheView(spec),
                     position_ids=torch.cat(positions))
         finally:
             ENCODE.reset(token)

@@ -79,7 +79,8 @@ def stack(tmp_path_factory) -> Stack:
         }, {
             "name": "tiny-diffusiongemma", "kind": "diffusion", "source": "builtin:tiny-diffusiongemma",
             "resources": {"num_gpus": 0, "num_cpus": 1},
-            "engine_args": {"family": "diffusiongemma", "max_batch": 8},
+            "engine_args": {"family": "diffusiongemma", "max_batch": 8, "max_images": 4,
+                            "max_image_bytes": 200_000, "max_image_pixels": 1_000_000},
         }],
     }
     cfg_path = tmp / "config.yaml"
