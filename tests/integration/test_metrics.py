@@ -1,5 +1,7 @@
 """Metrics against a real Prometheus scraping the real stack (AR and diffusion models)."""
 
+import base64
+import io
 import json
 import re
 import shutil
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from PIL import Image
 
 from tests.unit.gateway_server import free_port
 
@@ -126,8 +129,14 @@ def test_every_dashboard_expression_returns_data(stack, prometheus):
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 20
-    # A bounded load while Prometheus scrapes every second; a cancelled diffusion request too.
+    # A bounded load while Prometheus scrapes every second; a cancelled diffusion request and an
+    # image request too.
     _load(stack)
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 48), (200, 30, 30)).save(buf, format="PNG")
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
+    stack.client().chat.completions.create(model="tiny-diffusiongemma", max_tokens=8, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}])
     with httpx.stream("POST", stack.url + "/v1/chat/completions",
                       json={"model": "tiny-diffusiongemma", "messages": [{"role": "user", "content": "x"}],
                             "stream": True, "max_tokens": 64, "diffusion": {"max_denoising_steps": 300}}) as r:
