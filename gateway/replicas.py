@@ -243,11 +243,17 @@ class RayReplicaHandle(ChannelReplicaHandle):
 
     async def restart(self, kill: bool) -> EngineInfo:
         """Ray restarts a dead actor (``max_restarts``); a stuck one is killed first. Calls made
-        while it restarts fail or wait; retried until the new process has started its engine."""
+        while it restarts fail or wait; retried until a *new* process has started its engine (a
+        call may still reach the old one while the kill is under way: its incarnation tells)."""
         import ray
         from ray.exceptions import RayActorError
 
+        old = None
         if kill:
+            try:
+                old = (await asyncio.wait_for(self.call("describe"), 5))["incarnation"]
+            except Exception:  # noqa: BLE001 - dead or unresponsive: any answer later is a new one
+                old = None
             try:
                 ray.kill(self.actor, no_restart=False)
             except Exception as e:  # noqa: BLE001 - already gone: Ray restarts it anyway
@@ -255,11 +261,22 @@ class RayReplicaHandle(ChannelReplicaHandle):
         delay = 0.2
         while True:
             try:
-                return await self.start()
+                info = await self.call("start")
+                if old is None or (await self.call("describe"))["incarnation"] != old:
+                    break
             except RayActorError as e:
                 logger.debug("replica not back yet: %s", type(e).__name__)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+        self._reopen_channel()
+        return info
+
+    def _reopen_channel(self) -> None:
+        """A channel to the new process (one opened to the old one breaks without telling)."""
+        if self._reader is not None:
+            self._reader.cancel()
+        self._demux = None
+        self._channel()
 
     async def stream(self, method: str, *args) -> AsyncIterator:
         gen = getattr(self.actor, method).options(num_returns="streaming").remote(*args)
