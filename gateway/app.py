@@ -17,10 +17,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.config import ModelConfig
 from gateway.errors import ErrorKind, TandemError, invalid, request_timeout
+from gateway.limits import check_limits
 from gateway.metrics import now
 from gateway.openapi import request_body_schema
 from gateway.router import ModelPool, Slot, request_cost
-from gateway.security import SecurityError, check_limits, install_security
+from gateway.security import SecurityError, install_security
 from gateway.service import Service
 from gateway.streaming import ClientGone, sse_body, until_disconnect
 

@@ -13,7 +13,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gateway.security import AuthConfig, CorsConfig, LimitsConfig, resolve_keys
+from gateway.auth import resolve_keys
+from gateway.security import AuthConfig, CorsConfig, LimitsConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"

@@ -1,0 +1,277 @@
+"""API keys and per-key rate limits.
+
+- ``resolve_keys`` is the one place that reads key environment variables and files.
+- ``KeyStore`` keeps only SHA-256 digests and compares a token with every one of them
+  (constant time, no early exit): a key is never logged or echoed.
+- ``RateLimiter``: per key, a token bucket of requests and one of tokens (estimated).
+- ``AuthMiddleware`` (pure ASGI): ``Authorization: Bearer <key>`` or 401, then the key's
+  requests per minute or 429 with ``Retry-After``. Public paths and CORS preflights pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.limits import messages_chars, prompt_size, show
+from gateway.security import ApiKey, AuthConfig, LimitExceeded, RateLimited, SecurityError, Unauthenticated, header
+
+logger = logging.getLogger(__name__)
+
+CHARS_PER_TOKEN = 4  # the estimate of prompt tokens: ceil(characters / 4)
+DEFAULT_MAX_OUTPUT_TOKENS = 256  # the estimate of output tokens when a request names none
+
+# ---------------------------------------------------------------- keys
+
+
+@dataclass(frozen=True)
+class ResolvedKey:
+    name: str
+    key: str = field(repr=False)
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+
+def resolve_keys(cfg: AuthConfig, environ: Mapping[str, str] | None = None,
+                 base_dir: Path | None = None) -> list[ResolvedKey]:
+    """Read every key from the config, its environment variables and files. A ValueError names
+    the missing variable or file, or the key's name; never the key."""
+    env = os.environ if environ is None else environ
+    rpm, tpm = cfg.default_requests_per_minute, cfg.default_tokens_per_minute
+    keys = []
+    for i, k in enumerate(cfg.api_keys):
+        name = k.name or f"key-{i}"
+        keys.append(ResolvedKey(name, _valid_key(_read_key(k, name, env, base_dir), name),
+                                k.requests_per_minute if k.requests_per_minute is not None else rpm,
+                                k.tokens_per_minute if k.tokens_per_minute is not None else tpm))
+    if cfg.api_keys_env is not None:
+        raw = env.get(cfg.api_keys_env)
+        if raw is None:
+            raise ValueError(f"auth.api_keys_env: environment variable {cfg.api_keys_env} is not set")
+        listed = [p.strip() for p in raw.split(",") if p.strip()]
+        if not listed:
+            raise ValueError(f"auth.api_keys_env: environment variable {cfg.api_keys_env} holds no keys")
+        for j, key in enumerate(listed):
+            name = f"{cfg.api_keys_env}[{j}]"
+            keys.append(ResolvedKey(name, _valid_key(key, name), rpm, tpm))
+    by_key: dict[str, str] = {}
+    for k in keys:
+        if k.key in by_key:
+            raise ValueError(f"API keys {by_key[k.key]!r} and {k.name!r} are the same key")
+        by_key[k.key] = k.name
+    names = [k.name for k in keys]
+    if len(set(names)) != len(names):
+        raise ValueError(f"API key names must be unique; got {', '.join(names)}")
+    return keys
+
+
+def _read_key(k: ApiKey, name: str, env: Mapping[str, str], base_dir: Path | None) -> str:
+    if k.key is not None:
+        return k.key.get_secret_value()
+    if k.key_env is not None:
+        if k.key_env not in env:
+            raise ValueError(f"API key {name!r}: environment variable {k.key_env} is not set")
+        return env[k.key_env].strip()
+    assert k.key_file is not None, "this is a bug: ApiKey validated with no source"
+    path = k.key_file if k.key_file.is_absolute() or base_dir is None else base_dir / k.key_file
+    try:
+        return path.read_text().strip()
+    except OSError as e:
+        raise ValueError(f"API key {name!r}: cannot read key file {path}: {e.strerror or type(e).__name__}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"API key {name!r}: key file {path} is not UTF-8 text") from None
+
+
+def _valid_key(key: str, name: str) -> str:
+    if not key:
+        raise ValueError(f"API key {name!r} is empty")
+    if not all(33 <= ord(c) <= 126 for c in key):  # it travels in an HTTP header
+        raise ValueError(f"API key {name!r} must be printable ASCII without spaces")
+    return key
+
+
+def _digest(raw: bytes) -> bytes:
+    return hashlib.sha256(raw).digest()
+
+
+class KeyStore:
+    """Which configured key a bearer token is. Holds only digests; comparing equal-length digests
+    with ``hmac.compare_digest`` against every key, without an early exit, leaks neither a key's
+    length nor which key came close."""
+
+    def __init__(self, keys: Iterable[ResolvedKey]):
+        self._entries = [(_digest(k.key.encode()), k.name) for k in keys]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, token: str | bytes) -> str | None:
+        raw = token.encode("utf-8", "surrogatepass") if isinstance(token, str) else token
+        digest = _digest(raw)
+        found = None
+        for stored, name in self._entries:
+            if hmac.compare_digest(digest, stored) and found is None:
+                found = name
+        return found
+
+
+# ---------------------------------------------------------------- rate limits
+
+
+class TokenBucket:
+    """``capacity`` tokens, refilled evenly at ``refill_per_s``; starts full. The caller passes
+    ``now`` (any monotonic clock), so tests drive it with a fake one."""
+
+    def __init__(self, capacity: float, refill_per_s: float):
+        if not (capacity > 0 and refill_per_s > 0):
+            raise ValueError("a token bucket needs a positive capacity and refill rate")
+        self.capacity = capacity
+        self.refill_per_s = refill_per_s
+        self.tokens = float(capacity)
+        self._last: float | None = None
+
+    def _refill(self, now: float) -> None:
+        if self._last is not None and now > self._last:
+            self.tokens = min(self.capacity, self.tokens + (now - self._last) * self.refill_per_s)
+        if self._last is None or now > self._last:  # a clock that steps back refills nothing
+            self._last = now
+
+    def try_take(self, amount: float, now: float) -> float:
+        """Take ``amount`` and return 0.0; or take nothing and return the seconds until
+        ``amount`` will be there (``math.inf`` if it is more than the bucket holds)."""
+        self._refill(now)
+        if amount <= self.tokens:
+            self.tokens -= amount
+            return 0.0
+        if amount > self.capacity:
+            return math.inf
+        return (amount - self.tokens) / self.refill_per_s
+
+    def give_back(self, amount: float) -> None:
+        self.tokens = min(self.capacity, self.tokens + amount)
+
+
+def _count(v: Any) -> int | None:
+    """``v`` if it is a positive integer (not a bool), else None."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def estimate_tokens(body: Any) -> int:
+    """What a request may cost: ceil(prompt or message characters / 4) + token ids given + the
+    output it may produce, (max_completion_tokens or max_tokens or 256) x max(n, best_of)."""
+    if not isinstance(body, dict):
+        return DEFAULT_MAX_OUTPUT_TOKENS
+    chars, ids = prompt_size(body.get("prompt"))
+    chars += messages_chars(body.get("messages"))
+    out = _count(body.get("max_completion_tokens")) or _count(body.get("max_tokens")) or DEFAULT_MAX_OUTPUT_TOKENS
+    copies = max(_count(body.get("n")) or 1, _count(body.get("best_of")) or 1)
+    return math.ceil(chars / CHARS_PER_TOKEN) + ids + out * copies
+
+
+class RateLimiter:
+    """Per-key request and token buckets, each holding a minute's worth and refilling evenly.
+    Its methods never await, so each check is atomic on the event loop. A key without limits,
+    or no key at all (auth off: ``key_name`` None), is never limited."""
+
+    def __init__(self, keys: Iterable[ResolvedKey] = (), clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._requests: dict[str, TokenBucket] = {}
+        self._tokens: dict[str, TokenBucket] = {}
+        for k in keys:
+            if k.requests_per_minute is not None:
+                self._requests[k.name] = TokenBucket(k.requests_per_minute, k.requests_per_minute / 60)
+            if k.tokens_per_minute is not None:
+                self._tokens[k.name] = TokenBucket(k.tokens_per_minute, k.tokens_per_minute / 60)
+
+    def check_request(self, key_name: str | None) -> None:
+        """Called by AuthMiddleware once per authenticated request: takes one request from the
+        key's bucket, or raises RateLimited and takes nothing."""
+        bucket = self._requests.get(key_name) if key_name is not None else None
+        if bucket is None:
+            return
+        wait = bucket.try_take(1, self.clock())
+        if wait:
+            raise RateLimited(math.ceil(wait), f"rate limit reached for API key {key_name!r}: "
+                              f"{bucket.capacity} requests per minute; retry in {math.ceil(wait)} s")
+
+    def check_tokens(self, key_name: str | None, body: Any) -> None:
+        """Called by a generation route once its JSON body is parsed (after ``check_limits``),
+        once per request that passed AuthMiddleware. Takes ``estimate_tokens(body)`` from the
+        key's bucket, or raises RateLimited (429), or LimitExceeded (400) when the request alone
+        needs more than a minute's worth. A refused request also gets back the request that
+        check_request took: it costs nothing."""
+        bucket = self._tokens.get(key_name) if key_name is not None else None
+        if bucket is None:
+            return
+        need = estimate_tokens(body)
+        wait = bucket.try_take(need, self.clock())
+        if not wait:
+            return
+        if key_name in self._requests:
+            self._requests[key_name].give_back(1)
+        limit = f"{int(bucket.capacity)} tokens per minute"
+        if math.isinf(wait):
+            fields = ("max_completion_tokens", "max_tokens") if isinstance(body, dict) else ()
+            param = next((p for p in fields if _count(body.get(p))), None)
+            raise LimitExceeded(f"this request may use about {show(need)} tokens (prompt + max output tokens x n), "
+                                f"more than API key {key_name!r} may use: {limit}", param)
+        raise RateLimited(math.ceil(wait), f"rate limit reached for API key {key_name!r}: {limit}; this request "
+                          f"may use about {need} tokens; retry in {math.ceil(wait)} s")
+
+
+def _is_preflight(scope: Scope) -> bool:
+    return scope.get("method") == "OPTIONS" and header(scope, b"access-control-request-method") is not None
+
+
+class AuthMiddleware:
+    """``Authorization: Bearer <key>`` on every path but the public ones (and CORS preflights),
+    then the key's requests per minute. Sets ``scope["state"]["tandem_key_name"]`` for logs and
+    for ``RateLimiter.check_tokens``. ``on_reject(scope, error)`` is called on each refusal
+    (for metrics)."""
+
+    def __init__(self, app: ASGIApp, keystore: KeyStore, limiter: RateLimiter, public_paths: Iterable[str],
+                 on_reject: Callable[[Scope, SecurityError], None] | None = None):
+        self.app = app
+        self.keystore = keystore
+        self.limiter = limiter
+        self.public_paths = frozenset(public_paths)
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in self.public_paths or _is_preflight(scope):
+            return await self.app(scope, receive, send)
+        try:
+            name = self._authenticate(scope)
+            scope.setdefault("state", {})["tandem_key_name"] = name
+            self.limiter.check_request(name)
+        except SecurityError as err:
+            logger.info("refused %s %s: %s", scope.get("method", "WEBSOCKET"), scope["path"], err.message)
+            if self.on_reject is not None:
+                self.on_reject(scope, err)
+            if scope["type"] == "websocket":
+                return await send({"type": "websocket.close", "code": 1008})
+            return await err.send_to(send)
+        await self.app(scope, receive, send)
+
+    def _authenticate(self, scope: Scope) -> str:
+        value = header(scope, b"authorization")
+        if value is None:
+            raise Unauthenticated("missing API key: send it in the header 'Authorization: Bearer <key>'")
+        scheme, _, token = value.strip().partition(b" ")
+        token = token.strip()
+        if scheme.lower() != b"bearer" or not token:
+            raise Unauthenticated("malformed Authorization header: expected 'Bearer <key>'")
+        name = self.keystore.lookup(token)
+        if name is None:
+            raise Unauthenticated("invalid API key")
+        return name
