@@ -40,6 +40,12 @@ def _request_id(request: Request) -> str:
     return getattr(request.state, "request_id", None) or "unknown"
 
 
+def _key_name(request: Request) -> str:
+    """For logs: the API key's configured name (never the key), when keys are on."""
+    name = getattr(request.state, "tandem_key_name", None)
+    return f", key {name}" if name else ""
+
+
 async def _read_json(request: Request, max_depth: int) -> dict:
     raw = await request.body()
     try:
@@ -95,7 +101,7 @@ async def _generate(request: Request, service: Service, route: str) -> Response:
         try:
             first = await until_disconnect(request, anext(items))
         except ClientGone:
-            logger.info("client went away before %s was answered; aborted", request_id)
+            logger.info("client went away before %s%s was answered; aborted", request_id, _key_name(request))
             await items.aclose()
             release()
             return Response(status_code=499)
@@ -277,7 +283,7 @@ def build_app(service: Service) -> FastAPI:
             request.state.tandem_model = model
         service.metrics.observe_rejected(model, exc.kind)
         if exc.status >= 500:
-            logger.warning("request %s failed: %s", _request_id(request), exc.message)
+            logger.warning("request %s%s failed: %s", _request_id(request), _key_name(request), exc.message)
         return error_response(exc, request)
 
     @app.exception_handler(SecurityError)
@@ -302,8 +308,8 @@ def build_app(service: Service) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        logger.exception("unexpected error on %s %s (request id %s)", request.method, request.url.path,
-                         _request_id(request))
+        logger.exception("unexpected error on %s %s (request id %s%s)", request.method, request.url.path,
+                         _request_id(request), _key_name(request))
         return error_response(TandemError(ErrorKind.INTERNAL, "internal server error"), request)
 
     models = [m.name for m in cfg.models]
