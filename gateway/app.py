@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import time
 import uuid
@@ -11,19 +9,16 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.config import ModelConfig
-from gateway.errors import ErrorKind, TandemError, invalid, request_timeout
-from gateway.limits import check_limits
+from gateway.errors import ErrorKind, TandemError, invalid
+from gateway.generate import generate, key_name_of, request_id_of
 from gateway.metrics import now
 from gateway.openapi import request_body_schema
-from gateway.router import ModelPool, Slot, request_cost
 from gateway.security import SecurityError, install_security
 from gateway.service import Service
-from gateway.streaming import ClientGone, sse_body, until_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -31,196 +26,9 @@ logger = logging.getLogger(__name__)
 def error_response(err: TandemError, request: Request | None = None) -> JSONResponse:
     """The one way an error leaves as HTTP. A 5xx names the request id (never a trace)."""
     if err.status >= 500 and request is not None:
-        rid = _request_id(request)
+        rid = request_id_of(request)
         err = TandemError(err.kind, f"{err.message} (request id: {rid})", err.param, err.retry_after)
     return JSONResponse(err.envelope(), status_code=err.status, headers=err.headers() or None)
-
-
-def _request_id(request: Request) -> str:
-    return getattr(request.state, "request_id", None) or "unknown"
-
-
-def _key_name(request: Request) -> str:
-    """For logs: the API key's configured name (never the key), when keys are on."""
-    name = getattr(request.state, "tandem_key_name", None)
-    return f", key {name}" if name else ""
-
-
-async def _read_json(request: Request, max_depth: int) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise invalid(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise invalid(f"the request body is nested deeper than {max_depth} levels") from None
-    if not isinstance(body, dict):
-        raise invalid(f"the request body must be a JSON object, got {type(body).__name__}")
-    if _depth_over(body, max_depth):
-        raise invalid(f"the request body is nested deeper than {max_depth} levels")
-    return body
-
-
-def _depth_over(value: object, limit: int) -> bool:
-    """Whether ``value`` nests deeper than ``limit`` (iterative: no recursion to exhaust)."""
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if depth > limit:
-            return True
-        if isinstance(v, dict):
-            stack.extend((c, depth + 1) for c in v.values() if isinstance(c, (dict, list)))
-        elif isinstance(v, list):
-            stack.extend((c, depth + 1) for c in v if isinstance(c, (dict, list)))
-    return False
-
-
-async def _generate(request: Request, service: Service, route: str) -> Response:
-    t0 = now()
-    metrics = service.metrics
-    config = service.config
-    body = await _read_json(request, config.limits.max_json_depth)
-    model = metrics.model_label(body.get("model"))
-    request.state.tandem_model = model
-    if service.draining:
-        raise TandemError(ErrorKind.SHUTTING_DOWN, "the server is shutting down; retry on another instance",
-                          retry_after=1)
-    pool = service.router.pool(body.get("model"))
-    check_limits(body, config.limits_for(pool.name), route)
-    request.app.state.limiter.check_tokens(getattr(request.state, "tandem_key_name", None), body)
-    timeout_at = _timeout_at(config.limits.request_timeout_s)
-    cost = request_cost(pool.kind, body)
-    key = _session_key(request, body, config.model(pool.name))
-    request_id = f"{route}-{_request_id(request)}"
-    tried: list[str] = []
-    while True:
-        slot = await _acquire(pool, request, timeout_at, cost, key, tried)
-        metrics.in_flight.labels(model).inc()
-        release = _releaser(pool, slot, metrics, model)
-        items = slot.replica.handle.generate(route, body, request_id, timeout_at)
-        try:
-            first = await until_disconnect(request, anext(items))
-        except ClientGone:
-            logger.info("client went away before %s%s was answered; aborted", request_id, _key_name(request))
-            await items.aclose()
-            release()
-            return Response(status_code=499)
-        except StopAsyncIteration:
-            release()
-            raise TandemError(ErrorKind.ENGINE_ERROR, "the engine returned nothing") from None
-        except TandemError as e:
-            await items.aclose()
-            release()
-            if _retry(e, pool, slot, tried):
-                metrics.retries.labels(model).inc()
-                continue
-            raise
-        except BaseException:
-            await items.aclose()
-            release()
-            raise
-        if isinstance(first, TandemError) and _retry(first, pool, slot, tried):
-            await items.aclose()
-            release()
-            metrics.retries.labels(model).inc()
-            continue
-        break
-    if isinstance(first, str):
-        metrics.ttft.labels(model).observe(now() - t0)
-        return StreamingResponse(sse_body(first, items, release, _chunk_observer(metrics, model)),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    await items.aclose()
-    release()
-    if isinstance(first, TandemError):
-        raise first
-    metrics.observe_usage(model, first.get("usage"))
-    return JSONResponse(first)
-
-
-def _timeout_at(timeout_s: float | None) -> float | None:
-    return None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
-
-
-async def _acquire(pool: ModelPool, request: Request, timeout_at: float | None, cost: float, key: str | None,
-                   tried: list[str]) -> Slot:
-    """A slot, waiting in the queue no longer than the client's deadline header nor what is left
-    of the request timeout (504 when that is what ran out)."""
-    queue_deadline = _deadline(request)
-    if timeout_at is None:
-        return await pool.acquire(queue_deadline, cost=cost, key=key, exclude=tried)
-    left = max(0.0, timeout_at - asyncio.get_running_loop().time())
-    if queue_deadline is not None and queue_deadline <= left:
-        return await pool.acquire(queue_deadline, cost=cost, key=key, exclude=tried)
-    try:
-        return await pool.acquire(left, cost=cost, key=key, exclude=tried)
-    except TandemError as e:
-        if e.kind is ErrorKind.QUEUE_TIMEOUT:
-            raise request_timeout() from None
-        raise
-
-
-def _releaser(pool: ModelPool, slot: Slot, metrics, model: str):
-    """Release the slot once, whichever path ends the request first."""
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            pool.release(slot)
-            metrics.in_flight.labels(model).dec()
-
-    return release
-
-
-def _retry(err: TandemError, pool: ModelPool, slot: Slot, tried: list[str]) -> bool:
-    """Retry once, on another replica, a request whose replica failed before its first byte.
-    Only replica failures (dead, stuck): an engine's answer about the request itself stands."""
-    if err.kind is not ErrorKind.ENGINE_DEAD or tried:
-        return False
-    tried.append(slot.replica.id)
-    if not any(r.id not in tried for r in pool.healthy()):
-        return False
-    logger.warning("replica %s failed before answering; retrying on another replica", slot.replica.id)
-    return True
-
-
-def _session_key(request: Request, body: dict, model: ModelConfig | None) -> str | None:
-    """The session-affinity key: the configured header, else the body's ``user``."""
-    if model is None or not model.session_affinity.enabled:
-        return None
-    key = request.headers.get(model.session_affinity.header) or body.get("user")
-    return key if isinstance(key, str) and key else None
-
-
-DEADLINE_HEADER = "x-tandem-queue-deadline-ms"
-
-
-def _deadline(request: Request) -> float | None:
-    """The client's limit on time spent waiting in the gateway's queue (408 past it)."""
-    raw = request.headers.get(DEADLINE_HEADER)
-    if raw is None:
-        return None
-    try:
-        ms = float(raw)
-    except ValueError:
-        raise invalid(f"header {DEADLINE_HEADER}: a number of milliseconds is required", DEADLINE_HEADER) from None
-    if not ms > 0:
-        raise invalid(f"header {DEADLINE_HEADER}: must be positive", DEADLINE_HEADER)
-    return ms / 1000.0
-
-
-def _chunk_observer(metrics, model: str):
-    last = now()
-
-    def observe(chunk: str) -> None:
-        nonlocal last
-        t = now()
-        metrics.chunk_gap.labels(model).observe(t - last)
-        last = t
-        metrics.observe_sse(model, chunk)
-
-    return observe
 
 
 class MetricsMiddleware:
@@ -283,7 +91,7 @@ def build_app(service: Service) -> FastAPI:
             request.state.tandem_model = model
         service.metrics.observe_rejected(model, exc.kind)
         if exc.status >= 500:
-            logger.warning("request %s%s failed: %s", _request_id(request), _key_name(request), exc.message)
+            logger.warning("request %s%s failed: %s", request_id_of(request), key_name_of(request), exc.message)
         return error_response(exc, request)
 
     @app.exception_handler(SecurityError)
@@ -309,7 +117,7 @@ def build_app(service: Service) -> FastAPI:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         logger.exception("unexpected error on %s %s (request id %s%s)", request.method, request.url.path,
-                         _request_id(request), _key_name(request))
+                         request_id_of(request), key_name_of(request))
         return error_response(TandemError(ErrorKind.INTERNAL, "internal server error"), request)
 
     models = [m.name for m in cfg.models]
@@ -317,12 +125,12 @@ def build_app(service: Service) -> FastAPI:
     @app.post("/v1/chat/completions", openapi_extra=request_body_schema("chat", models, cfg.limits))
     async def chat_completions(request: Request) -> Response:
         """Chat completion (OpenAI's API): streamed as server-sent events with `stream: true`."""
-        return await _generate(request, service, "chat")
+        return await generate(request, service, "chat")
 
     @app.post("/v1/completions", openapi_extra=request_body_schema("completions", models, cfg.limits))
     async def completions(request: Request) -> Response:
         """Text completion (OpenAI's API): streamed as server-sent events with `stream: true`."""
-        return await _generate(request, service, "completions")
+        return await generate(request, service, "completions")
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -85,6 +85,8 @@ class Metrics:
         self.in_flight = Gauge("tandem_requests_in_flight", "Generation requests being served.", ["model"], registry=r)
         self.queued = Gauge("tandem_requests_queued", "Generation requests waiting in the gateway.", ["model"],
                             registry=r)
+        self.queue_wait = Histogram("tandem_queue_wait_seconds", "Time from arrival to a replica slot (requests "
+                                    "that got one).", ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.rejected = Counter("tandem_requests_rejected", "Requests refused before reaching an engine.",
                                 ["model", "reason"], registry=r)
         self.replicas = Gauge("tandem_replicas", "Replicas by state.", ["model", "state"], registry=r)
@@ -100,7 +102,7 @@ class Metrics:
             for route in GENERATION_ROUTES:
                 self.duration.labels(m, route)
             for child in (self.ttft, self.chunk_gap, self.prompt_tokens, self.output_tokens, self.in_flight,
-                          self.queued, self.restarts, self.retries):
+                          self.queued, self.restarts, self.retries, self.queue_wait):
                 child.labels(m)
             for reason in set(REJECT_REASONS.values()):
                 self.rejected.labels(m, reason)

@@ -182,8 +182,13 @@ def test_overload_burst_gets_429_with_retry_after_and_accepted_requests_complete
         assert codes.count(429) >= 8 and codes.count(200) >= 4 and set(codes) <= {200, 408, 429}, codes
         assert all(r.headers["Retry-After"].isdigit() for r, _ in results if r.status_code == 429)
         assert all(r.json()["choices"][0]["text"] == "tok0 tok1 tok2" for r, _ in results if r.status_code == 200)
-        # nobody waited in the queue past its deadline: queue wait + one service time (0.15 s) + slack
-        assert max(took for _, took in results) < deadline_s + 0.15 + 0.5, [round(t, 2) for _, t in results]
+        # nobody waited in the queue past its deadline (the gateway's own measure of queue waits),
+        # and nobody hung
+        buckets = {b.labels["le"]: b.value for m in service.metrics.registry.collect()
+                   if m.name == "tandem_queue_wait_seconds" for b in m.samples
+                   if b.name.endswith("_bucket") and b.labels["model"] == "fake"}
+        assert buckets["0.5"] == buckets["+Inf"] == codes.count(200) > 0, buckets
+        assert max(took for _, took in results) < 10
         assert service.in_flight() == 0 and service.router.pools["fake"].queued == 0
 
 
