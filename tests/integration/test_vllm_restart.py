@@ -1,0 +1,82 @@
+"""The real thing: vLLM's replica process killed (SIGKILL) under a stream. The stream ends with an
+error event and [DONE], requests meanwhile get a clear error, Ray restarts the actor, the gateway
+starts vLLM in the new process, and the model answers exactly as before; vLLM's EngineCore of the
+dead process does not linger. (The shared stack is healthy again when this module ends.)"""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+MODEL = "tiny-llama"
+ASK = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the river."}], "max_tokens": 12,
+       "temperature": 0}
+
+
+def _replica(stack) -> dict:
+    return stack.replica_stats(MODEL)[0]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_killed_vllm_replica_errors_its_requests_and_comes_back(stack):
+    before = httpx.post(stack.url + "/v1/chat/completions", json=ASK, timeout=60).json()["choices"][0]["message"]
+    replica = _replica(stack)
+    pid, restarts = replica["pid"], replica["restarts"]
+    engine_procs = _children(pid)
+    events: list[str] = []
+    started = threading.Event()
+
+    def stream():
+        body = {**ASK, "max_tokens": 400, "stream": True, "temperature": 1.0}
+        with httpx.stream("POST", stack.url + "/v1/chat/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60)
+    os.kill(pid, signal.SIGKILL)
+    t.join(60)
+    assert not t.is_alive() and events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
+    # while it restarts: a clear error at once (one replica: nowhere to retry), never a hang
+    r = httpx.post(stack.url + "/v1/chat/completions", json=ASK, timeout=60)
+    assert r.status_code in (500, 503) and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    deadline = time.monotonic() + 300
+    while True:
+        replica = _replica(stack)
+        if replica["state"] == "healthy" and replica["restarts"] > restarts:
+            break
+        assert time.monotonic() < deadline, f"the vLLM replica did not come back: {replica}\n{stack.log_tail()}"
+        time.sleep(1)
+    assert replica["pid"] != pid
+    after = httpx.post(stack.url + "/v1/chat/completions", json=ASK, timeout=60).json()["choices"][0]["message"]
+    assert after["content"] == before["content"]  # the same engine again: the same greedy answer
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in engine_procs) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(_alive(p) for p in engine_procs), "the dead replica's vLLM processes linger"
+    assert httpx.get(stack.url + "/ready", timeout=10).status_code == 200
