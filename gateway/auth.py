@@ -23,13 +23,10 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.limits import messages_chars, prompt_size, show
+from gateway.limits import count, estimate_tokens, show
 from gateway.security import ApiKey, AuthConfig, LimitExceeded, RateLimited, SecurityError, Unauthenticated, header
 
 logger = logging.getLogger(__name__)
-
-CHARS_PER_TOKEN = 4  # the estimate of prompt tokens: ceil(characters / 4)
-DEFAULT_MAX_OUTPUT_TOKENS = 256  # the estimate of output tokens when a request names none
 
 # ---------------------------------------------------------------- keys
 
@@ -161,23 +158,6 @@ class TokenBucket:
         self.tokens = min(self.capacity, self.tokens + amount)
 
 
-def _count(v: Any) -> int | None:
-    """``v`` if it is a positive integer (not a bool), else None."""
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
-
-
-def estimate_tokens(body: Any) -> int:
-    """What a request may cost: ceil(prompt or message characters / 4) + token ids given + the
-    output it may produce, (max_completion_tokens or max_tokens or 256) x max(n, best_of)."""
-    if not isinstance(body, dict):
-        return DEFAULT_MAX_OUTPUT_TOKENS
-    chars, ids = prompt_size(body.get("prompt"))
-    chars += messages_chars(body.get("messages"))
-    out = _count(body.get("max_completion_tokens")) or _count(body.get("max_tokens")) or DEFAULT_MAX_OUTPUT_TOKENS
-    copies = max(_count(body.get("n")) or 1, _count(body.get("best_of")) or 1)
-    return math.ceil(chars / CHARS_PER_TOKEN) + ids + out * copies
-
-
 class RateLimiter:
     """Per-key request and token buckets, each holding a minute's worth and refilling evenly.
     Its methods never await, so each check is atomic on the event loop. A key without limits,
@@ -222,7 +202,7 @@ class RateLimiter:
         limit = f"{int(bucket.capacity)} tokens per minute"
         if math.isinf(wait):
             fields = ("max_completion_tokens", "max_tokens") if isinstance(body, dict) else ()
-            param = next((p for p in fields if _count(body.get(p))), None)
+            param = next((p for p in fields if count(body.get(p))), None)
             raise LimitExceeded(f"this request may use about {show(need)} tokens (prompt + max output tokens x n), "
                                 f"more than API key {key_name!r} may use: {limit}", param)
         raise RateLimited(math.ceil(wait), f"rate limit reached for API key {key_name!r}: {limit}; this request "

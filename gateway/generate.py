@@ -97,13 +97,8 @@ async def generate(request: Request, service: Service, route: str) -> Response:
         except StopAsyncIteration:
             release()
             raise TandemError(ErrorKind.ENGINE_ERROR, "the engine returned nothing") from None
-        except TandemError as e:
-            await items.aclose()
-            release()
-            if _retry(e, pool, slot, tried):
-                metrics.retries.labels(model).inc()
-                continue
-            raise
+        except TandemError as e:  # raised (the replica failed) or yielded (see below): one answer
+            first = e
         except BaseException:
             await items.aclose()
             release()

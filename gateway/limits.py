@@ -10,6 +10,7 @@ body may be (checked while it is received).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -17,6 +18,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.security import BodyTooLarge, LimitExceeded, LimitsConfig, header
 
 logger = logging.getLogger(__name__)
+
+CHARS_PER_TOKEN = 4  # the estimate of prompt tokens: ceil(characters / 4)
+DEFAULT_MAX_OUTPUT_TOKENS = 256  # the estimate of output tokens when a request names none
 
 # ---------------------------------------------------------------- input limits
 # Robust to any JSON shape: a field of an unexpected type is skipped here, and the engine's
@@ -170,3 +174,20 @@ class BodySizeLimit:
                 raise  # the app had begun its own answer: let the server cut the connection
         if exceeded and not started:
             await error.send_to(send)
+
+
+def count(v: Any) -> int | None:
+    """``v`` if it is a positive integer (not a bool), else None."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def estimate_tokens(body: Any) -> int:
+    """What a request may cost: ceil(prompt or message characters / 4) + token ids given + the
+    output it may produce, (max_completion_tokens or max_tokens or 256) x max(n, best_of)."""
+    if not isinstance(body, dict):
+        return DEFAULT_MAX_OUTPUT_TOKENS
+    chars, ids = prompt_size(body.get("prompt"))
+    chars += messages_chars(body.get("messages"))
+    out = count(body.get("max_completion_tokens")) or count(body.get("max_tokens")) or DEFAULT_MAX_OUTPUT_TOKENS
+    copies = max(count(body.get("n")) or 1, count(body.get("best_of")) or 1)
+    return math.ceil(chars / CHARS_PER_TOKEN) + ids + out * copies

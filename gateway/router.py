@@ -27,36 +27,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gateway.errors import ErrorKind, TandemError
+from gateway.limits import estimate_tokens
 from gateway.replicas import Replica, ReplicaState
 
 RATE_WINDOW_S = 30.0
-DEFAULT_MAX_TOKENS = 256  # what an AR request without max_tokens is assumed to generate
-CHARS_PER_TOKEN = 4
 
 
 def request_cost(kind: str, body: dict) -> float:
-    """What one request weighs on a replica. Autoregressive: tokens it may hold (prompt
-    estimated from its characters, plus its output budget), times ``n``. Diffusion: the batch
-    rows it takes (``n``). Never fails: validation is the engine's job."""
-    n = body.get("n")
-    n = n if isinstance(n, int) and 1 <= n <= 128 else 1
+    """What one request weighs on a replica. Autoregressive: the tokens it may hold (the same
+    estimate the per-key token limit uses). Diffusion: the batch rows it takes (``n``). Never
+    fails: validation is the engine's job."""
     if kind == "diffusion":
-        return float(n)
-    out = body.get("max_completion_tokens") or body.get("max_tokens")
-    out = out if isinstance(out, int) and out > 0 else DEFAULT_MAX_TOKENS
-    return float(_text_len(body.get("messages", body.get("prompt"))) // CHARS_PER_TOKEN + out * n)
-
-
-def _text_len(value: object, depth: int = 0) -> int:
-    if isinstance(value, str):
-        return len(value)
-    if depth > 4:
-        return 0
-    if isinstance(value, list):
-        return sum(_text_len(v, depth + 1) for v in value[:4096])
-    if isinstance(value, dict):
-        return sum(_text_len(v, depth + 1) for k, v in value.items() if k in ("content", "text"))
-    return 0
+        n = body.get("n")
+        return float(n if isinstance(n, int) and 1 <= n <= 128 else 1)
+    return float(estimate_tokens(body))
 
 
 @dataclass(eq=False)

@@ -13,12 +13,15 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from starlette.types import Scope, Send
 
 from gateway.errors import STATUS_TABLE, ErrorKind, TandemError
+
+if TYPE_CHECKING:
+    from gateway.auth import RateLimiter
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +225,7 @@ def header(scope: Scope, name: bytes) -> bytes | None:
 def install_security(app: Any, auth: AuthConfig, limits: LimitsConfig, cors: CorsConfig, *,
                      clock: Callable[[], float] = time.monotonic,
                      on_reject: Callable[[Scope, SecurityError], None] | None = None,
-                     environ: Mapping[str, str] | None = None, base_dir: Path | None = None) -> Any:
+                     environ: Mapping[str, str] | None = None, base_dir: Path | None = None) -> RateLimiter:
     """Add the middlewares to a Starlette/FastAPI ``app``: CORS outermost (so refusals carry its
     headers), then auth (a 401 before any body is read), then the body limit. Returns the
     limiter whose ``check_tokens`` the routes call. Raises ValueError for an unreadable key."""

@@ -76,8 +76,12 @@ class Service:
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.append(task)
-        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks and not self._stopping else None)
+        task.add_done_callback(self._forget)
         return task
+
+    def _forget(self, task: asyncio.Task) -> None:
+        if not self._stopping and task in self._tasks:  # while stopping, stop() awaits the list
+            self._tasks.remove(task)
 
     # -- bringing replicas up --------------------------------------------------------------
 
@@ -95,7 +99,7 @@ class Service:
                 if done:
                     break
                 timeout = PROGRESS_EVERY_S
-                problem = self._placement_problem(model)
+                problem = await self._placement_problem(model)
                 if problem and replica.state is not ReplicaState.PENDING:
                     logger.warning("replica %s: cannot be placed: %s", replica.id, problem)
                     replica.state, replica.last_error = ReplicaState.PENDING, problem
@@ -116,12 +120,11 @@ class Service:
 
             keep_off_vllm_workers()
 
-    def _placement_problem(self, model: ModelConfig | None) -> str | None:
-        check = getattr(self.deployment, "placement_problem", None)
-        if model is None or check is None:
+    async def _placement_problem(self, model: ModelConfig | None) -> str | None:
+        if model is None:
             return None
-        try:
-            return check(model)
+        try:  # off the event loop: asking the cluster (Ray's GCS) blocks
+            return await asyncio.to_thread(self.deployment.placement_problem, model)
         except Exception as e:  # noqa: BLE001 - a diagnosis must not break start-up
             logger.debug("placement check failed: %s", e)
             return None

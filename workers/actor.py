@@ -91,9 +91,6 @@ class EngineActor:
         aborted = any([outbox.abort(request_id) for outbox in self._channels.values()])
         return await self.engine.abort(request_id) or aborted
 
-    async def check_health(self) -> None:
-        await self.engine.check_health()
-
     async def health(self) -> ReplicaHealth:
         """Called by the gateway's health loop. Raises if the engine says it cannot serve."""
         in_flight = sum(len(o.tasks) for o in self._channels.values())

@@ -173,5 +173,8 @@ class FakeDeployment:
             out.append(Replica(id=rid, model=model.name, handle=handle))
         return out
 
+    def placement_problem(self, model) -> str | None:
+        return None  # in-process: always placed
+
     def close(self) -> None:
         self.engines.clear()

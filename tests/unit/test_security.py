@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from gateway import security
-from gateway.auth import AuthMiddleware, KeyStore, RateLimiter, ResolvedKey, TokenBucket, estimate_tokens, resolve_keys
-from gateway.limits import BodySizeLimit, check_limits
+from gateway.auth import AuthMiddleware, KeyStore, RateLimiter, ResolvedKey, TokenBucket, resolve_keys
+from gateway.limits import BodySizeLimit, check_limits, estimate_tokens
 from gateway.security import (
     ApiKey,
     AuthConfig,
