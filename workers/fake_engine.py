@@ -6,8 +6,8 @@ Told through ``engine_args`` (or attributes) to be slow (``token_delay_s``), to 
 Fault injection across processes (a fake inside a Ray actor): with ``engine_args.control_file``
 set, the engine reads that JSON file (``{"<pid>": "hang" | "stall" | "raise"}``) before each token
 and each health check. A fault names the process, so it dies with it: the restarted replica is
-healthy again. ``hang``: tokens and health checks never return; ``stall``: tokens never come
-but health checks pass; ``raise``: requests and health checks fail, as an engine whose core died.
+healthy again. ``hang``: tokens and health checks do not return while it lasts; ``stall``:
+tokens do not come but health checks pass; ``raise``: requests and health checks fail, as an engine whose core died.
 """
 
 from __future__ import annotations
@@ -40,24 +40,26 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.served: list[str] = []
 
-    def _read_faults(self) -> None:
+    def _file_fault(self) -> str | None:
+        """This process's fault in the control file, as the file says now (lifted when the test
+        rewrites the file; a restarted replica is a new pid, so it is healthy again)."""
         if self.control_file is None:
-            return
+            return None
         try:
             with open(self.control_file) as f:
-                fault = json.load(f).get(str(os.getpid()))
+                return json.load(f).get(str(os.getpid()))
         except (OSError, ValueError):
-            return
-        self.hang = self.hang or fault == "hang"
-        self.stall = self.stall or fault == "stall"
-        self.broken = self.broken or fault == "raise"
+            return None
 
     async def _step(self, token: bool = True) -> None:
         """Before each token (and health check): apply injected faults."""
-        self._read_faults()
-        if self.hang or (token and self.stall):
-            await asyncio.Event().wait()
-        if self.broken:
+        fault = self._file_fault()
+        while self.hang or fault == "hang" or (token and (self.stall or fault == "stall")):
+            # Held while the fault lasts (tests flip the attribute in-process or rewrite the
+            # control file) or until the request is cancelled.
+            await asyncio.sleep(0.02)
+            fault = self._file_fault()
+        if self.broken or fault == "raise":
             raise RuntimeError("fake engine: its core died")
 
     async def start(self) -> EngineInfo:
@@ -101,6 +103,8 @@ class FakeEngine:
                         raise RuntimeError("fake engine failed mid-stream")
                     self.progress += 1
                     yield _chunk(rid, self.model, chat, w + " ", None)
+                await self._step()  # a held engine finishes nothing
+                self.running.discard(rid)  # from here on it finishes whatever happens: not "running"
                 yield _chunk(rid, self.model, chat, "", finish)
                 yield DONE
             else:
@@ -108,6 +112,8 @@ class FakeEngine:
                     await self._step()
                     await asyncio.sleep(self.token_delay_s)
                     self.progress += 1
+                await self._step()
+                self.running.discard(rid)
                 text = " ".join(words)
                 choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
                           if chat else {"index": 0, "text": text, "finish_reason": finish})

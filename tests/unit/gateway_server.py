@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from contextlib import contextmanager
 
 import httpx
@@ -14,6 +13,7 @@ import uvicorn
 from gateway.app import build_app
 from gateway.config import parse_config
 from gateway.service import Service
+from tests.waiting import wait_for
 from workers.fake_engine import FakeDeployment
 
 
@@ -38,12 +38,9 @@ def fake_gateway(engine_args: dict | None = None, replicas: int = 1, models: tup
     server = uvicorn.Server(uvicorn.Config(build_app(service), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    while wait_ready and not service.router.ready() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert service.router.ready() or not wait_ready, "fake gateway did not become ready"
+    wait_for(lambda: server.started, "the fake gateway's server to start")
+    if wait_ready:
+        wait_for(service.router.ready, "the fake gateway's replicas to be ready")
     try:
         yield f"http://127.0.0.1:{port}", service, deployment
     finally:
@@ -56,15 +53,23 @@ def fake_gateway(engine_args: dict | None = None, replicas: int = 1, models: tup
         thread.join(10)
 
 
-def stream_outcome(url: str, num_tokens: int, model: str = "fake", timeout: float = 30) -> str:
+def stream_outcome(url: str, num_tokens: int, model: str = "fake", timeout: float = 30,
+                   first_token: threading.Event | None = None) -> str:
     """One streamed chat request: 'ok' (the whole answer), 'error' (an error status, or an error
-    event then [DONE]), else 'bad: ...' (silence, truncation, malformed). Bounded in time."""
+    event then [DONE]), else 'bad: ...' (silence, truncation, malformed). Bounded in time.
+    ``first_token`` is set once the first content token has reached the client (the request is
+    then past its first byte: a replica failure can no longer be retried, it must end the stream)."""
     body = {"model": model, "messages": [{"role": "user", "content": "x"}], "stream": True}
+    events = []
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
             if r.status_code != 200:
                 return "error"
-            events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+            for ln in r.iter_lines():
+                if ln.startswith("data: "):
+                    events.append(ln[6:])
+                    if first_token is not None and "tok" in ln:
+                        first_token.set()
     except httpx.HTTPError as e:
         return f"bad: {type(e).__name__}"
     if events and events[-1] == "[DONE]" and any("error" in json.loads(e) for e in events[:-1]):
