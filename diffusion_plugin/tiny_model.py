@@ -22,6 +22,10 @@ self-conditioning signal swamps the canvas embeddings and the argmax canvas neve
 at default settings ~12 tokens are accepted per step and blocks run all 48 steps, while at
 near-greedy temperatures (t_min=0.01, t_max=0.02) blocks stop early on the stable-and-confident
 rule after a few steps; outputs still depend on the prompt. Tests need both paths.
+
+``build_shape_diffusiongemma`` builds ``shape-diffusiongemma`` with the same recipe at the released
+model's canvas (256), vocabulary (262,144) and attention/MoE layout: what a diffusion step costs
+at the real shape, on a trunk small enough for a CPU.
 """
 
 from __future__ import annotations
@@ -47,8 +51,54 @@ INITIALIZER_RANGE = 0.2
 SELF_CONDITIONING_SCALE = 0.1
 
 
+# The shape model: DiffusionGemma's real canvas, vocabulary and attention layout on a tiny trunk.
+SHAPE_CANVAS_LENGTH = 256  # DiffusionGemmaConfig.canvas_length's default (the released model's)
+SHAPE_VOCAB_SIZE = 262_144  # DiffusionGemmaTextConfig.vocab_size's default (Gemma's vocabulary)
+# Attention and MoE layout of google/diffusiongemma-26B-A4B-it (a Gemma 4 26B-A4B trunk). Read off
+# transformers 5.19's DiffusionGemmaTextConfig (head_dim 256, global_head_dim 512, the 5:1
+# sliding/full pattern ending on a full layer, final_logit_softcapping 30, tied embeddings, K=V
+# on full layers: they have no v_proj) and the 26B-A4B notes there (num_global_key_value_heads 2),
+# plus the published Gemma 4 26B-A4B layout where transformers has no default: 16 query heads,
+# 8 KV heads on sliding layers, a 1024-token sliding window, 128 experts with top-8 routing.
+SHAPE_ATTENTION = {
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "global_head_dim": 512,
+    "num_global_key_value_heads": 2,
+    "sliding_window": 1024,
+    "num_experts": 128,
+    "top_k_experts": 8,
+}
+
+
 def build_tiny_diffusiongemma(out: Path, seed: int = 0) -> None:
     """Build a ~0.7M-parameter random DiffusionGemma into ``out`` (weights, tokenizer, generation config)."""
+    _build(out, seed, canvas_length=CANVAS_LENGTH, vocab_size=None, text={
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "global_head_dim": 64,
+        "sliding_window": 64, "max_position_embeddings": 4096, "num_experts": 4, "top_k_experts": 2})
+
+
+def build_shape_diffusiongemma(out: Path, seed: int = 0) -> None:
+    """Build ``shape-diffusiongemma``: canvas 256, vocabulary 262,144 and the released attention/MoE
+    layout (``SHAPE_ATTENTION``) on a trunk 128 wide and 2 layers deep (one sliding, one full).
+
+    Why: every vocab-sized cost of a step (lm_head, softcap, sampler, random draws, the
+    self-conditioning input) and every canvas-sized one is that of the real model, while the trunk,
+    which a GPU makes cheap, stays tiny; so it measures what batching a diffusion step costs at
+    the real shape on any CPU. ~40M parameters, ~170 MB float32 (the 262,144 x 128 embedding is 134
+    MB, tied to the lm_head and shared by encoder and decoder, as in the released model).
+
+    Tokenizer: the tiny BPE (1,027 ids, the same special tokens and image tokens as the tiny
+    model), while ``vocab_size`` is 262,144: every id the model and sampler use (pad, bos, eos,
+    image tokens) is inside the tokenizer; sampled ids >= 1,027 have no text and decode to nothing
+    (the token counts, which the benchmarks use, are unaffected). A tokenizer with 262,144 real
+    entries would cost a ~10 MB tokenizer.json and seconds per load for no benefit here.
+    """
+    _build(out, seed, canvas_length=SHAPE_CANVAS_LENGTH, vocab_size=SHAPE_VOCAB_SIZE, text=SHAPE_ATTENTION)
+
+
+def _build(out: Path, seed: int, canvas_length: int, vocab_size: int | None, text: dict) -> None:
     import torch
     from transformers import (
         AutoTokenizer,
@@ -74,7 +124,8 @@ def build_tiny_diffusiongemma(out: Path, seed: int = 0) -> None:
     tok.save_pretrained(out)
     Gemma4ImageProcessorPil(patch_size=PATCH_SIZE, max_soft_tokens=MAX_SOFT_TOKENS,
                             pooling_kernel_size=POOLING_KERNEL).save_pretrained(out)
-    vocab = len(tok)
+    vocab = vocab_size or len(tok)
+    assert vocab >= len(tok), (vocab, len(tok))
     boi, eoi, image = tok.convert_tokens_to_ids(EXTRA_SPECIAL_TOKENS)
     assert (boi, eoi, image) == (base_len, base_len + 1, base_len + 2), (boi, eoi, image, base_len)
     ids = {t: SPECIAL_TOKENS.index(t) for t in SPECIAL_TOKENS}
@@ -86,20 +137,13 @@ def build_tiny_diffusiongemma(out: Path, seed: int = 0) -> None:
         intermediate_size=256,
         num_hidden_layers=2,
         layer_types=["sliding_attention", "full_attention"],
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        global_head_dim=64,
-        sliding_window=64,
-        max_position_embeddings=4096,
-        num_experts=4,
-        top_k_experts=2,
         moe_intermediate_size=64,
         initializer_range=INITIALIZER_RANGE,
         pad_token_id=ids["<pad>"],
         bos_token_id=ids["<s>"],
         eos_token_id=ids["<|im_end|>"],
         use_bidirectional_attention="vision",  # as the larger Gemma 4 models: images attend within themselves
+        **text,
     )
     # A tiny vision tower with the processor's geometry: 4-px patches pooled 2x2, at most 70 soft
     # tokens per image (280 patches, up to 140 patches on a side, hence the position table).
@@ -114,7 +158,7 @@ def build_tiny_diffusiongemma(out: Path, seed: int = 0) -> None:
         boi_token_id=boi,
         eoi_token_id=eoi,
         image_token_id=image,
-        canvas_length=CANVAS_LENGTH,
+        canvas_length=canvas_length,
         initializer_range=INITIALIZER_RANGE,
         dtype="float32",
     )

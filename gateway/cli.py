@@ -73,7 +73,13 @@ def cmd_build_tiny_models(args: argparse.Namespace) -> int:
     from workers import tiny_models
 
     out = Path(args.out) if args.out else tiny_models.DEFAULT_DIR
-    for path in tiny_models.build_all(out, force=args.force):
+    only = [n.strip() for n in args.only.split(",")] if args.only else None
+    unknown = sorted(set(only or []) - set(tiny_models.BUILDERS))
+    if unknown:
+        print(f"tandem: unknown built-in model(s) {', '.join(unknown)}; known: {', '.join(tiny_models.BUILDERS)}",
+              file=sys.stderr)
+        return 2
+    for path in tiny_models.build_all(out, force=args.force, only=only):
         print(path)
     return 0
 
@@ -108,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "trained on text shipped in the repo). `serve` does this when missing.")
     build.add_argument("--out", metavar="DIR", help="output directory (default: ./models in the repo)")
     build.add_argument("--force", action="store_true", help="rebuild even if an up-to-date build exists")
+    build.add_argument("--only", metavar="NAMES", help="comma-separated models to build (default: all: tiny-llama, "
+                       "tiny-diffusiongemma, and shape-diffusiongemma, DiffusionGemma's real canvas and vocabulary "
+                       "on a tiny trunk, ~170 MB)")
     build.set_defaults(func=cmd_build_tiny_models)
 
     from gateway.bench import add_arguments as add_bench_arguments
