@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["ar", "diffusion"], default="ar",
                    help="ar: tandem vs `vllm serve` (default); diffusion: tandem's batcher vs HF generate()")
     p.add_argument("--concurrency", default="1,8,32",
-                   help="comma-separated levels (default: 1,8,32; diffusion mode: 1,4,8,16)")
+                   help="comma-separated levels (default: 1,8,32; diffusion mode: 1,4,8,16, and 1,4,MAX_BATCH "
+                        "for the shape model)")
     p.add_argument("--requests", type=int, default=0,
                    help="requests per level (default: max(16, 4 x concurrency))")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: 64)")
@@ -44,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8123, help="port for the server under test (default: 8123)")
     p.add_argument("--out", help="also write the results as JSON to this file")
     p.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for a server to be ready")
+    from gateway.bench_diffusion import add_arguments as add_diffusion_arguments
+
+    add_diffusion_arguments(p)
 
 
 def _prompts(n: int, seed: int = 0) -> list[str]:

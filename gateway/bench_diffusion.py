@@ -1,21 +1,33 @@
 """`tandem bench --mode diffusion`: tandem's block-diffusion batcher against HF `generate()`.
 
 In one run, on the same machine, the same mixed-length chat prompts:
-- tandem: the batcher in a Ray actor behind the gateway, block boundaries and row boundaries;
 - HF sequential: ``generate()`` one request at a time (what a naive server does); request
   latency is that of a FIFO server with ``c`` closed-loop clients;
 - HF static batch: one ``generate()`` over ``c`` requests, with equal-length prompts (HF's
-  batching needs one shared cache at one block index: the best case for it).
-All at one torch thread (a Ray actor's default). Output tokens are counted up to max_tokens or
-EOS for every target (HF returns whole canvases).
+  batching needs one shared cache at one block index: the best case for it);
+- tandem: the batcher in a Ray actor behind the gateway, for each sampler (exact, fast) and each
+  boundary mode (block, row), one server at a time.
+All at one torch thread (a Ray actor's default). HF runs in a child process of its own (its
+memory and CPU time are its own, and nothing of it is left when the servers run). Output tokens
+are counted up to max_tokens or EOS for every target (HF returns whole canvases).
+
+Per level: tokens/s, seconds per (batched) denoise step, the share of wall time outside model
+forwards, CPU time per output token (tandem: every process of the server, and the replica alone,
+from /proc; HF: the child's own), peak RSS growth per row (VmHWM after a reset, minus the RSS
+before the level, over the concurrency) and the mean RSS growth per row while the level ran.
+The box is shared and its wall clock swings: CPU time per token is the steadier figure.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import logging
 import os
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,73 +37,257 @@ import yaml
 from gateway.loadgen import percentile, run_level
 
 logger = logging.getLogger("tandem.bench")
-MODEL = "tiny-diffusiongemma"
+TINY = "tiny-diffusiongemma"
+SHAPE = "shape-diffusiongemma"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+MB = 1 << 20
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The diffusion mode's own flags (``tandem bench --mode diffusion``)."""
+    g = p.add_argument_group("diffusion mode")
+    g.add_argument("--model", default=TINY,
+                   help=f"built-in model ({TINY}, default; {SHAPE}: the real canvas and vocabulary) or a path; "
+                        "a '-fast' suffix runs tandem's fast sampler only")
+    g.add_argument("--samplers", default="exact,fast", help="tandem samplers to run (default: exact,fast)")
+    g.add_argument("--boundaries", default="block,row", help="tandem boundary modes to run (default: block,row)")
+    g.add_argument("--steps", type=int, default=0,
+                   help="max_denoising_steps per request (default: the model's, 48; the shape model wants ~8)")
+    g.add_argument("--max-batch", type=int, default=0, help="tandem's max_batch (default: the largest level)")
+    g.add_argument("--memory-budget-gib", type=float, default=0,
+                   help="tandem's engine_args.memory_budget_gib (default: the engine's own)")
+    g.add_argument("--max-rss-gib", type=float, default=7.0,
+                   help="skip an HF static batch whose estimated RSS exceeds this (default: 7)")
+    g.add_argument("--no-hf", action="store_true", help="tandem targets only")
+    g.add_argument("--interleave", action="store_true",
+                   help="levels outside, targets inside (a server start per level and target)")
+
+
+# -- /proc ----------------------------------------------------------------------------------
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process, all its threads, in seconds (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14, 15 of stat(5), after "pid (comm)"
+
+
+def proc_tree(root: int) -> list[int]:
+    """``root`` and every live descendant (the gateway, Ray's daemons, the replica actors)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def proc_mem(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS and VmHWM in bytes."""
+    out = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out[line[:5]] = int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def reset_peak(pid: int | str = "self") -> bool:
+    """Reset VmHWM to the current RSS (Linux: ``echo 5 > /proc/PID/clear_refs``)."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+class RssSampler:
+    """Mean RSS of a process while a level runs (a thread, every ``period`` seconds)."""
+
+    def __init__(self, pid: int | str, period: float = 0.5):
+        self.pid, self.period, self.samples = pid, period, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = proc_mem(self.pid).get("VmRSS")
+            if rss:
+                self.samples.append(rss)
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def mean(self) -> float:
+        return sum(self.samples) / len(self.samples) if self.samples else float("nan")
+
+
+def memory_per_row(before_rss: int, peak: int, mean_rss: float, rows: int) -> dict:
+    rows = max(rows, 1)
+    return {"rss_before_mb": before_rss / MB, "peak_growth_per_row_mb": max(0, peak - before_rss) / rows / MB,
+            "mean_growth_per_row_mb": max(0.0, mean_rss - before_rss) / rows / MB}
+
+
+# -- the load -------------------------------------------------------------------------------
 def _texts(n: int, seed: int) -> list[str]:
     from gateway.bench import _prompts
 
     return _prompts(n, seed)
 
 
-def _engine(url: str) -> dict:
-    rows = httpx.get(url + "/admin/replicas", timeout=10).json()["replicas"]
-    return next(r["engine"] for r in rows if r["model"] == MODEL)
+def num_requests(requests: int, c: int) -> int:
+    """Requests at level ``c``: ``--requests`` (at least one round of ``c``), else max(4, 2c)."""
+    return max(requests, c) if requests else max(4, 2 * c)
 
 
-def _tandem(args, model_path: str, workdir: Path, levels: list[int], boundaries: str) -> dict:
+def bodies(model: str, n: int, max_tokens: int, seed: int, steps: int = 0) -> list[dict]:
+    out = []
+    for i, t in enumerate(_texts(n, seed)):
+        b = {"model": model, "messages": [{"role": "user", "content": t}], "max_tokens": max_tokens,
+             "stream": True, "stream_options": {"include_usage": True}, "seed": seed * 1000 + i}
+        if steps:
+            b["diffusion"] = {"max_denoising_steps": steps}
+        out.append(b)
+    return out
+
+
+def _replica(url: str, name: str) -> dict:
+    rows = httpx.get(url + "/admin/replicas", timeout=30).json()["replicas"]
+    return next(r for r in rows if r["model"] == name and "engine" in r)
+
+
+def _delta(after: dict, before: dict, key: str) -> float:
+    return float(after.get(key, 0) or 0) - float(before.get(key, 0) or 0)
+
+
+def _memory_stats(engine: dict) -> dict:
+    """Whatever the engine reports about memory (budget, reserved bytes, sequences waiting for it)."""
+    return {k: v for k, v in engine.items() if any(w in k for w in ("memory", "bytes", "budget", "reserved"))}
+
+
+# -- tandem ---------------------------------------------------------------------------------
+def tandem_config(args, name: str, model_path: str, sampler: str, boundaries: str, max_batch: int) -> dict:
+    engine_args = {"family": "diffusiongemma", "max_batch": max_batch, "boundaries": boundaries, "num_threads": 1}
+    if sampler != "exact":  # exact is the engine's default
+        engine_args["sampler"] = sampler
+    if args.memory_budget_gib:
+        engine_args["memory_budget_gib"] = args.memory_budget_gib
+    return {"gateway": {"host": "127.0.0.1", "port": args.port}, "ray": {"num_cpus": 2},
+            "models": [{"name": name, "kind": "diffusion", "source": model_path,
+                        "resources": {"num_gpus": 0, "num_cpus": 1}, "engine_args": engine_args}]}
+
+
+def run_tandem(args, name: str, model_path: str, workdir: Path, levels: list[int], sampler: str,
+               boundaries: str, max_batch: int) -> dict:
     from gateway.bench import Server
 
-    cfg = {"gateway": {"host": "127.0.0.1", "port": args.port}, "ray": {"num_cpus": 2},
-           "models": [{"name": MODEL, "kind": "diffusion", "source": model_path,
-                       "resources": {"num_gpus": 0, "num_cpus": 1},
-                       "engine_args": {"family": "diffusiongemma", "max_batch": max(levels),
-                                       "boundaries": boundaries}}]}
-    path = workdir / f"tandem-{boundaries}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    server = Server(f"tandem ({boundaries})", [sys.executable, "-m", "gateway.cli", "--log-level", "warning",
-                                                "serve", "--config", str(path)],
-                    args.port, "/ready", workdir / f"tandem-{boundaries}.log", dict(os.environ))
+    tag = f"{sampler}-{boundaries}"
+    path = workdir / f"tandem-{tag}.yaml"
+    path.write_text(yaml.safe_dump(tandem_config(args, name, model_path, sampler, boundaries, max_batch)))
+    server = Server(f"tandem ({tag})", [sys.executable, "-m", "gateway.cli", "--log-level", "warning",
+                                        "serve", "--config", str(path)],
+                    args.port, "/ready", workdir / f"tandem-{tag}.log", dict(os.environ))
     out = {}
     url = f"http://127.0.0.1:{args.port}"
     with server:
         server.wait_ready(args.ready_timeout)
-        asyncio.run(run_level(url, _bodies(2, 32, 99), 2))  # warm-up
+        warm = bodies(name, 1, 1, 99, steps=1)  # one step of one block: loads and touches every path
+        asyncio.run(run_level(url, warm, 1, timeout_s=args.level_timeout))
         for c in levels:
-            n = max(4, 2 * c)
-            before, t0 = _engine(url), time.perf_counter()
-            res = asyncio.run(run_level(url, _bodies(n, args.max_tokens, c), c))
-            wall, after = time.perf_counter() - t0, _engine(url)
-            d = {k: after[k] - before[k] for k in ("steps", "row_steps", "row_steps_waiting", "blocks_committed",
-                                                   "tokens_committed", "forward_s", "busy_s")}
+            n = num_requests(args.requests, c)
+            rep = _replica(url, name)
+            pid = rep["pid"]
+            before, tree = rep["engine"], proc_tree(server.proc.pid)
+            cpu0, rcpu0 = sum(proc_cpu_s(p) for p in tree), proc_cpu_s(pid)
+            rss0 = proc_mem(pid).get("VmRSS", 0)
+            reset_peak(pid)
+            t0 = time.perf_counter()
+            with RssSampler(pid) as rss:
+                res = asyncio.run(run_level(url, bodies(name, n, args.max_tokens, c, args.steps), c,
+                                            timeout_s=args.level_timeout))
+            wall = time.perf_counter() - t0
+            peak = proc_mem(pid).get("VmHWM", 0)
+            tree = set(tree) | set(proc_tree(server.proc.pid))
+            cpu, rcpu = sum(proc_cpu_s(p) for p in tree) - cpu0, proc_cpu_s(pid) - rcpu0
+            after = _replica(url, name)["engine"]
+            steps = _delta(after, before, "steps")
+            tokens = max(res.output_tokens, 1)
             out[c] = {
+                "requests": res.requests, "errors": res.errors, "wall_s": wall, "output_tokens": res.output_tokens,
                 "tokens_per_s": res.output_tokens_per_s, "latency_p50_ms": res.latency_p50_ms,
                 "latency_p99_ms": res.latency_p99_ms, "first_block_p50_ms": res.ttft_p50_ms,
-                "admission_wait_mean_ms": 1000 * (after["admission_wait_sum_s"] - before["admission_wait_sum_s"])
-                / max(after["admitted"] - before["admitted"], 1),
-                "tokens_per_forward": d["tokens_committed"] / max(d["steps"], 1),
-                "forwards_per_block": d["row_steps"] / max(d["blocks_committed"], 1),
-                "row_steps_waiting_share": d["row_steps_waiting"] / max(d["row_steps"] + d["row_steps_waiting"], 1),
-                "outside_forward_share": max(0.0, 1 - d["forward_s"] / wall), "errors": res.errors,
+                "s_per_step": _delta(after, before, "busy_s") / steps if steps else float("nan"),
+                "rows_per_step": _delta(after, before, "row_steps") / steps if steps else float("nan"),
+                "outside_forward_share": max(0.0, 1 - _delta(after, before, "forward_s") / wall),
+                "admission_wait_mean_ms": 1000 * _delta(after, before, "admission_wait_sum_s")
+                / max(_delta(after, before, "admitted"), 1),
+                "cpu_ms_per_token": 1000 * cpu / tokens, "replica_cpu_ms_per_token": 1000 * rcpu / tokens,
+                **memory_per_row(rss0, peak, rss.mean, min(c, max_batch)),
+                "engine_memory": _memory_stats(after),
             }
-            logger.info("tandem %s c=%d: %.0f tok/s", boundaries, c, res.output_tokens_per_s)
+            logger.info("tandem %s c=%d: %.2f tok/s, %.2f s/step, %.0f CPU ms/token, %d errors", tag, c,
+                        res.output_tokens_per_s, out[c]["s_per_step"], out[c]["cpu_ms_per_token"], res.errors)
     return out
 
 
-def _bodies(n: int, max_tokens: int, seed: int) -> list[dict]:
-    return [{"model": MODEL, "messages": [{"role": "user", "content": t}], "max_tokens": max_tokens,
-             "stream": True, "stream_options": {"include_usage": True}, "seed": seed * 1000 + i}
-            for i, t in enumerate(_texts(n, seed))]
+# -- HF generate(), in a child process --------------------------------------------------------
+def run_hf(args, model_path: str, workdir: Path, levels: list[int]) -> tuple[dict, dict]:
+    spec = {"model_path": model_path, "levels": levels, "max_tokens": args.max_tokens, "steps": args.steps,
+            "requests": args.requests, "max_rss_gib": args.max_rss_gib}
+    log = workdir / "hf.log"
+    with log.open("w") as err:
+        proc = subprocess.run([sys.executable, "-m", "gateway.bench_diffusion", "--hf-child", json.dumps(spec)],
+                              stdout=subprocess.PIPE, stderr=err, text=True, timeout=args.level_timeout * 4)
+    if proc.returncode != 0:
+        raise RuntimeError(f"HF generate() child failed ({proc.returncode}); see {log}: {log.read_text()[-2000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {int(k): v for k, v in result["sequential"].items()}, {int(k): v for k, v in result["static"].items()}
 
 
-def _hf(model_path: str, levels: list[int], max_tokens: int) -> tuple[dict, dict]:
+def _hf_child(spec: dict) -> dict:
     import torch
     from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
 
     torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(model_path)
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(model_path, dtype=torch.float32).eval()
+    path, max_tokens, steps = spec["model_path"], spec["max_tokens"], spec["steps"]
+    tok = AutoTokenizer.from_pretrained(path)
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32).eval()
     eos = {tok.convert_tokens_to_ids("<|im_end|>")}
+    knobs = {"max_denoising_steps": steps} if steps else {}
+    clock = {"decode_s": 0.0, "decodes": 0, "encode_s": 0.0}
+
+    def timed(fn, key):  # generate() calls self.forward (decoder) and self.model.encoder (encoder)
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                clock[key + "_s"] += time.perf_counter() - t
+                if key == "decode":
+                    clock["decodes"] += 1
+        return wrapper
+
+    model.forward = timed(model.forward, "decode")
+    model.model.encoder.forward = timed(model.model.encoder.forward, "encode")
 
     def count(row: list[int]) -> int:
         cut = next((i for i, t in enumerate(row) if t in eos), None)
@@ -101,40 +297,57 @@ def _hf(model_path: str, levels: list[int], max_tokens: int) -> tuple[dict, dict
         return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                        tokenize=True, return_dict=False)
 
-    model.generate(torch.tensor([ids("warm up")]), max_new_tokens=32)
-    seq, static = {}, {}
-    for c in levels:
-        n = max(4, 2 * c)
-        prompts = [ids(t) for t in _texts(n, c)]
-        service, tokens = [], 0
-        for p in prompts:
-            t0 = time.perf_counter()
-            out = model.generate(torch.tensor([p]), max_new_tokens=max_tokens).sequences[0, len(p):].tolist()
-            service.append(time.perf_counter() - t0)
-            tokens += count(out)
-        latencies = _fifo_latencies(service, c)
-        seq[c] = {"tokens_per_s": tokens / sum(service), "latency_p50_ms": percentile(latencies, 0.5) * 1000,
-                  "latency_p99_ms": percentile(latencies, 0.99) * 1000}
+    def measure(batches: list[list[list[int]]], rows: int) -> tuple[dict, list[float]]:
+        for k in clock:
+            clock[k] = 0
+        rss0 = proc_mem().get("VmRSS", 0)
+        reset_peak()
+        cpu0, service, tokens = time.process_time(), [], 0
+        with RssSampler("self") as rss:
+            for batch in batches:
+                t0 = time.perf_counter()
+                out = model.generate(torch.tensor(batch), max_new_tokens=max_tokens, **knobs)
+                service.append(time.perf_counter() - t0)
+                tokens += sum(count(r) for r in out.sequences[:, len(batch[0]):].tolist())
+        wall, cpu = sum(service), time.process_time() - cpu0
+        forwards = clock["decode_s"] + clock["encode_s"]
+        return {"tokens_per_s": tokens / wall, "output_tokens": tokens, "wall_s": wall,
+                "s_per_step": wall / max(clock["decodes"], 1), "rows_per_step": rows,
+                "outside_forward_share": max(0.0, 1 - forwards / wall),
+                "cpu_ms_per_token": 1000 * cpu / max(tokens, 1),
+                **memory_per_row(rss0, proc_mem().get("VmHWM", 0), rss.mean, rows)}, service
+
+    model.generate(torch.tensor([ids("warm up")]), max_new_tokens=1, max_denoising_steps=1)
+    seq, static, peak_row = {}, {}, 0.0
+    for c in spec["levels"]:
+        prompts = [ids(t) for t in _texts(num_requests(spec["requests"], c), c)]
+        seq[c], service = measure([[p] for p in prompts], 1)
+        lat = fifo_latencies(service, c)
+        seq[c].update(latency_p50_ms=percentile(lat, 0.5) * 1000, latency_p99_ms=percentile(lat, 0.99) * 1000)
+        peak_row = max(peak_row, seq[c]["peak_growth_per_row_mb"])
+        log(f"HF sequential c={c}: {seq[c]['tokens_per_s']:.2f} tok/s")
+        if c == 1:
+            continue  # a static batch of one is the sequential run
+        need_gib = (seq[c]["rss_before_mb"] + c * peak_row) / 1024
+        if need_gib > spec["max_rss_gib"]:
+            static[c] = {"skipped": f"needs ~{need_gib:.1f} GiB > --max-rss-gib {spec['max_rss_gib']}"}
+            log(f"HF static c={c}: {static[c]['skipped']}")
+            continue
         # Static batches of c equal-length prompts (the median length, truncated or repeated).
         length = sorted(len(p) for p in prompts)[len(prompts) // 2]
         equal = [(p * (length // len(p) + 1))[:length] for p in prompts]
-        t_all, tokens, lat = 0.0, 0, []
-        for i in range(0, n, c):
-            batch = torch.tensor(equal[i:i + c])
-            t0 = time.perf_counter()
-            out = model.generate(batch, max_new_tokens=max_tokens).sequences[:, length:].tolist()
-            dt = time.perf_counter() - t0
-            t_all += dt
-            lat += [t_all] * len(out)
-            tokens += sum(count(r) for r in out)
-        static[c] = {"tokens_per_s": tokens / t_all, "latency_p50_ms": percentile(lat, 0.5) * 1000,
-                     "latency_p99_ms": percentile(lat, 0.99) * 1000}
-        logger.info("HF c=%d: sequential %.0f tok/s, static batch %.0f tok/s", c, seq[c]["tokens_per_s"],
-                    static[c]["tokens_per_s"])
-    return seq, static
+        static[c], service = measure([equal[i:i + c] for i in range(0, len(equal), c)], c)
+        done = [sum(service[:i + 1]) for i in range(len(service)) for _ in range(c)]
+        static[c].update(latency_p50_ms=percentile(done, 0.5) * 1000, latency_p99_ms=percentile(done, 0.99) * 1000)
+        log(f"HF static c={c}: {static[c]['tokens_per_s']:.2f} tok/s")
+    return {"sequential": seq, "static": static}
 
 
-def _fifo_latencies(service: list[float], clients: int) -> list[float]:
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def fifo_latencies(service: list[float], clients: int) -> list[float]:
     """Latency of each request at a one-at-a-time server with `clients` closed-loop clients."""
     free_at, ready = 0.0, [0.0] * clients  # when the server is free; when each client submits next
     out = []
@@ -147,49 +360,109 @@ def _fifo_latencies(service: list[float], clients: int) -> list[float]:
     return out
 
 
-def format_table(results: dict, levels: list[int]) -> str:
-    cols = [("out tok/s", "tokens_per_s", "{:.0f}"), ("latency p50 ms", "latency_p50_ms", "{:.0f}"),
-            ("latency p99 ms", "latency_p99_ms", "{:.0f}"), ("1st block p50 ms", "first_block_p50_ms", "{:.0f}"),
-            ("admission wait mean ms", "admission_wait_mean_ms", "{:.0f}"),
-            ("tokens/forward", "tokens_per_forward", "{:.2f}"), ("forwards/block", "forwards_per_block", "{:.1f}"),
-            ("row-steps waiting", "row_steps_waiting_share", "{:.1%}"),
-            ("outside forwards", "outside_forward_share", "{:.1%}")]
+_fifo_latencies = fifo_latencies  # the name older callers use
+
+
+# -- the report -----------------------------------------------------------------------------
+COLUMNS = [
+    ("out tok/s", "tokens_per_s", "{:.2f}"),
+    ("s/step", "s_per_step", "{:.2f}"),
+    ("rows/step", "rows_per_step", "{:.1f}"),
+    ("outside forwards", "outside_forward_share", "{:.1%}"),
+    ("CPU ms/token (all processes)", "cpu_ms_per_token", "{:.0f}"),
+    ("CPU ms/token (replica)", "replica_cpu_ms_per_token", "{:.0f}"),
+    ("peak RSS growth/row MB", "peak_growth_per_row_mb", "{:.0f}"),
+    ("mean RSS growth/row MB", "mean_growth_per_row_mb", "{:.0f}"),
+    ("latency p50 ms", "latency_p50_ms", "{:.0f}"),
+    ("1st block p50 ms", "first_block_p50_ms", "{:.0f}"),
+    ("admission wait mean ms", "admission_wait_mean_ms", "{:.0f}"),
+    ("errors", "errors", "{:d}"),
+]
+BASELINE = "hf sequential"
+
+
+def format_table(results: dict[str, dict[int, dict]], levels: list[int]) -> str:
+    """One row per (level, metric), one column per target, then each target's tok/s and CPU per
+    token as ratios to HF sequential's (a higher tok/s ratio is better, a lower CPU ratio)."""
     names = list(results)
     lines = ["| conc | metric | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for c in levels:
-        for label, key, fmt in cols:
-            vals = [results[n].get(c, {}).get(key) for n in names]
+        cells = {n: results[n].get(c, {}) for n in names}
+        for label, key, fmt in COLUMNS:
+            vals = [cells[n].get(key) for n in names]
             if all(v is None for v in vals):
                 continue
             lines.append(f"| {c} | {label} | " + " | ".join("-" if v is None else fmt.format(v) for v in vals) + " |")
-        base = results.get("hf sequential", {}).get(c, {}).get("tokens_per_s")
-        stat = results.get("hf static batch", {}).get(c, {}).get("tokens_per_s")
-        for n in names:
-            if n.startswith("tandem") and base:
-                t = results[n][c]["tokens_per_s"]
-                lines.append(f"| {c} | {n} / sequential, / static | {t / base:.2f}x, "
-                             f"{t / stat if stat else float('nan'):.2f}x | " + " | " * (len(names) - 1))
+        skipped = [f"{n}: {cells[n]['skipped']}" for n in names if "skipped" in cells[n]]
+        if skipped:
+            lines.append(f"| {c} | skipped | " + "; ".join(skipped) + " |" + " |" * (len(names) - 1))
+        base = cells.get(BASELINE, {})
+        for label, key in (("tok/s / HF sequential", "tokens_per_s"),
+                           ("CPU per token / HF sequential", "cpu_ms_per_token")):
+            if not base.get(key):
+                continue
+            vals = [cells[n].get(key) for n in names]
+            lines.append(f"| {c} | {label} | " + " | ".join(
+                "-" if not v else f"{v / base[key]:.2f}x" for v in vals) + " |")
     return "\n".join(lines)
 
 
-def main(args) -> int:
-    import json
-    import tempfile
-
+def _model(args) -> tuple[str, str, list[str]]:
+    """(served name, path, samplers): a '-fast' suffix picks the fast sampler only."""
     from workers import tiny_models
 
+    name, samplers = args.model, [s.strip() for s in args.samplers.split(",") if s.strip()]
+    if name.endswith("-fast"):
+        name, samplers = name[: -len("-fast")], ["fast"]
+    path = str(tiny_models.build(name)) if name in tiny_models.BUILDERS else name
+    return Path(name).name, path, samplers
+
+
+def levels_for(args, max_batch: int = 0) -> list[int]:
+    if args.concurrency != "1,8,32":  # the AR default: not given
+        return [int(x) for x in args.concurrency.split(",")]
+    if args.model.startswith(SHAPE):
+        return sorted({1, 4, max_batch or 4})
+    return [1, 4, 8, 16]
+
+
+def main(args) -> int:
+    import tempfile
+
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    levels = [int(x) for x in (args.concurrency if args.concurrency != "1,8,32" else "1,4,8,16").split(",")]
-    model_path = str(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA))
+    args.level_timeout = getattr(args, "level_timeout", None) or 3600
+    name, model_path, samplers = _model(args)
+    levels = levels_for(args, args.max_batch)
+    max_batch = args.max_batch or max(levels)
+    boundaries = [b.strip() for b in args.boundaries.split(",") if b.strip()]
+    targets = [(s, b) for s in samplers for b in boundaries]
     results: dict[str, dict] = {}
-    # HF first: nothing of a server (Ray, its actor) is left running to take CPU from it.
-    hf_seq, hf_static = _hf(model_path, levels, args.max_tokens)
+    t_start = time.time()
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
-        for b in ("block", "row"):
-            results[f"tandem {b}"] = _tandem(args, model_path, Path(tmp), levels, b)
-    results["hf sequential"], results["hf static batch"] = hf_seq, hf_static
-    print(f"\nstreaming chat, {MODEL}, {args.max_tokens} output tokens/request, default diffusion settings\n")
+        work = Path(tmp)
+        # HF first, in its own process: nothing of a server (Ray, its actor) runs beside it.
+        groups = [[c] for c in levels] if args.interleave else [levels]
+        for group in groups:
+            if not args.no_hf:
+                seq, static = run_hf(args, model_path, work, group)
+                results.setdefault(BASELINE, {}).update(seq)
+                results.setdefault("hf static batch", {}).update(static)
+            for s, b in targets:
+                results.setdefault(f"tandem {s} {b}", {}).update(
+                    run_tandem(args, name, model_path, work, group, s, b, max_batch))
+    steps = f"{args.steps} denoise steps" if args.steps else "the model's default diffusion settings"
+    print(f"\nstreaming chat, {name}, {args.max_tokens} output tokens/request, {steps}, max_batch {max_batch}, "
+          f"one torch thread per engine; {time.time() - t_start:.0f} s\n")
     print(format_table(results, levels))
     if args.out:
-        Path(args.out).write_text(json.dumps({"levels": levels, "results": results}, indent=1, default=str))
+        Path(args.out).write_text(json.dumps({"model": name, "levels": levels, "max_tokens": args.max_tokens,
+                                              "steps": args.steps, "max_batch": max_batch, "results": results},
+                                             indent=1, default=str))
     return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--hf-child":
+        print(json.dumps(_hf_child(json.loads(sys.argv[2]))))
+        sys.exit(0)
+    sys.exit("usage: python -m gateway.bench_diffusion --hf-child SPEC (use `tandem bench --mode diffusion`)")

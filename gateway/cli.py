@@ -123,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmark tandem against its peer on the same machine",
                            description="Run the same streaming chat load against tandem and `vllm serve` "
-                                       "on the same tiny model, in one run, and print the ratios.")
+                                       "on the same tiny model, in one run, and print the ratios. With --mode "
+                                       "diffusion: tandem's diffusion batcher (exact and fast samplers, block and "
+                                       "row boundaries) against HF generate(), sequential and static batches.")
     add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
     return parser
