@@ -360,8 +360,6 @@ def fifo_latencies(service: list[float], clients: int) -> list[float]:
     return out
 
 
-_fifo_latencies = fifo_latencies  # the name older callers use
-
 
 # -- the report -----------------------------------------------------------------------------
 COLUMNS = [
