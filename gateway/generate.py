@@ -112,13 +112,14 @@ async def generate(request: Request, service: Service, route: str) -> Response:
     if isinstance(first, str):
         metrics.ttft.labels(model).observe(now() - t0)
         return StreamingResponse(sse_body(first, items, release, _chunk_observer(metrics, model)),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", REPLICA_HEADER: slot.replica.id})
     await items.aclose()
     release()
     if isinstance(first, TandemError):
         raise first
     metrics.observe_usage(model, first.get("usage"))
-    return JSONResponse(first)
+    return JSONResponse(first, headers={REPLICA_HEADER: slot.replica.id})
 
 
 def _timeout_at(timeout_s: float | None) -> float | None:
@@ -178,6 +179,8 @@ def _session_key(request: Request, body: dict, model: ModelConfig | None) -> str
 
 
 DEADLINE_HEADER = "x-tandem-queue-deadline-ms"
+# Which replica answered (after any retry): for operators and tests, never needed by clients.
+REPLICA_HEADER = "x-tandem-replica"
 
 
 def _deadline(request: Request) -> float | None:

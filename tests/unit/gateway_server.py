@@ -54,17 +54,20 @@ def fake_gateway(engine_args: dict | None = None, replicas: int = 1, models: tup
 
 
 def stream_outcome(url: str, num_tokens: int, model: str = "fake", timeout: float = 30,
-                   first_token: threading.Event | None = None) -> str:
+                   first_token: threading.Event | None = None, served: dict | None = None) -> str:
     """One streamed chat request: 'ok' (the whole answer), 'error' (an error status, or an error
     event then [DONE]), else 'bad: ...' (silence, truncation, malformed). Bounded in time.
     ``first_token`` is set once the first content token has reached the client (the request is
-    then past its first byte: a replica failure can no longer be retried, it must end the stream)."""
+    then past its first byte: a replica failure can no longer be retried, it must end the stream);
+    ``served["replica"]`` is then the replica that serves it (the ``x-tandem-replica`` header)."""
     body = {"model": model, "messages": [{"role": "user", "content": "x"}], "stream": True}
     events = []
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
             if r.status_code != 200:
                 return "error"
+            if served is not None:
+                served["replica"] = r.headers.get("x-tandem-replica")
             for ln in r.iter_lines():
                 if ln.startswith("data: "):
                     events.append(ln[6:])

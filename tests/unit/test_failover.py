@@ -4,16 +4,19 @@ retried elsewhere; a stream cut by a dead, hung, stalled or raising replica ends
 event and [DONE]; the replica leaves the rotation and comes back by itself after a restart."""
 
 import concurrent.futures as cf
-import time
+import threading
 
 import pytest
 
 from gateway.errors import ErrorKind, TandemError
 from gateway.replicas import ReplicaState
 from tests.unit.gateway_server import complete_outcome, fake_gateway, stream_outcome
+from tests.waiting import wait_for
 
 TOKENS = 10
-GATEWAY = {"health_interval_s": 0.2, "stall_timeout_s": 1.0, "unhealthy_after": 2}
+# stall_timeout_s: far above how long a test holds a replica before its fault, and above the
+# health-check timeouts the slow-health-check test lives through without a restart.
+GATEWAY = {"health_interval_s": 0.2, "stall_timeout_s": 5.0, "unhealthy_after": 2}
 
 
 def _gateway():
@@ -21,11 +24,7 @@ def _gateway():
 
 
 def _wait_for(cond, timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, what
-        time.sleep(0.02)
-    return time.monotonic() - t0
+    return wait_for(cond, what, timeout=max(timeout, 60), interval=0.02)  # generous: a slow box only waits longer
 
 
 def _kill(service, replica) -> None:
@@ -37,23 +36,49 @@ def _kill(service, replica) -> None:
     service.loop.call_soon_threadsafe(die)
 
 
+class Held:
+    """Streams each past its first token (each knows its replica), then the victim's engine held
+    (no token, no finishing): ``held`` of its streams can no longer finish; its others finished
+    before the hold (a slow box) and have reached their clients. Nothing depends on timing."""
+
+    def __init__(self, ex, url, victim, engine, n: int):
+        first, served = [threading.Event() for _ in range(n)], [{} for _ in range(n)]
+        self.futures = [ex.submit(stream_outcome, url, TOKENS, first_token=e, served=s)
+                        for e, s in zip(first, served, strict=True)]
+        _wait_for(lambda: all(e.is_set() for e in first), 30, "every stream to receive its first token")
+        engine.stall = True
+        self.held = len(engine.running)
+        self.on_victim = [i for i, s in enumerate(served) if s["replica"] == victim.id]
+        done_first = len(self.on_victim) - self.held
+        _wait_for(lambda: sum(self.futures[i].done() for i in self.on_victim) == done_first, 30,
+                  "the victim's finished streams to reach their clients")
+
+    def check(self) -> None:
+        """Held streams end with an error event then [DONE]; every other stream completes."""
+        results = [f.result(timeout=60) for f in self.futures]
+        mine = sorted(results[i] for i in self.on_victim)
+        assert mine == ["error"] * self.held + ["ok"] * (len(mine) - self.held), results
+        assert all(r == "ok" for i, r in enumerate(results) if i not in self.on_victim), results
+
+
 def test_dead_replica_retries_unanswered_requests_and_cuts_streams_with_an_error():
     with _gateway() as (url, service, deployment):
-        victim, survivor = service.router.pools["fake"].replicas
+        victim = service.router.pools["fake"].replicas[0]
         old_engine = deployment.engines[victim.id]
+        retries = service.metrics.retries.labels("fake")._value.get()
         with cf.ThreadPoolExecutor(12) as ex:
+            streams = Held(ex, url, victim, old_engine, 6)
             plain = [ex.submit(complete_outcome, url, TOKENS) for _ in range(6)]
-            streams = [ex.submit(stream_outcome, url, TOKENS) for _ in range(6)]
-            _wait_for(lambda: len(old_engine.running) >= 4, 5, "requests never reached the victim")
-            time.sleep(0.35)  # streams have sent tokens; non-streamed answers (1 s) are not ready
+            # those on the survivor finish; those on the victim are held, unanswered
+            _wait_for(lambda: sum(f.done() for f in plain) + len(old_engine.running) - streams.held == 6, 30,
+                      "the non-streamed requests to be answered or held")
+            plain_on_victim = len(old_engine.running) - streams.held
             _kill(service, victim)
+            streams.check()
             plain_results = [f.result(timeout=30) for f in plain]
-            stream_results = [f.result(timeout=30) for f in streams]
         # nothing had been sent for the non-streamed ones: retried on the survivor, all answered
         assert plain_results == ["ok"] * 6
-        assert service.metrics.retries.labels("fake")._value.get() >= 1
-        # streams already under way on the victim end with an error event, never silence
-        assert set(stream_results) <= {"ok", "error"} and "error" in stream_results, stream_results
+        assert service.metrics.retries.labels("fake")._value.get() - retries == plain_on_victim
         _wait_for(lambda: victim.state is ReplicaState.HEALTHY, 10, "the replica did not come back")
         assert victim.restarts == 1 and deployment.engines[victim.id] is not old_engine
         assert [stream_outcome(url, TOKENS) for _ in range(4)] == ["ok"] * 4
@@ -63,20 +88,15 @@ def test_dead_replica_retries_unanswered_requests_and_cuts_streams_with_an_error
 @pytest.mark.parametrize("fault", ["hang", "stall", "raise"])
 def test_a_failing_engine_is_taken_out_fails_its_requests_and_comes_back(fault):
     with _gateway() as (url, service, deployment):
-        victim, survivor = service.router.pools["fake"].replicas
+        victim = service.router.pools["fake"].replicas[0]
         engine = deployment.engines[victim.id]
         with cf.ThreadPoolExecutor(8) as ex:
-            streams = [ex.submit(stream_outcome, url, TOKENS) for _ in range(6)]
-            other = deployment.engines[survivor.id]
-            _wait_for(lambda: len(engine.running) + len(other.running) == 6, 5, "requests never reached the engines")
-            on_victim = len(engine.running)
+            streams = Held(ex, url, victim, engine, 6)
             setattr(engine, {"hang": "hang", "stall": "stall", "raise": "broken"}[fault], True)
             # out of rotation: within unhealthy_after checks (timeouts, engine errors), or the stall timeout
-            limit = GATEWAY["stall_timeout_s"] + 3 * GATEWAY["health_interval_s"] + 1
-            _wait_for(lambda: victim.state is not ReplicaState.HEALTHY or victim.restarts, limit,
-                      "the replica stayed in rotation")
-            results = [f.result(timeout=30) for f in streams]
-        assert results.count("error") == on_victim and results.count("ok") == 6 - on_victim, results
+            _wait_for(lambda: victim.state is not ReplicaState.HEALTHY or victim.restarts, 30,
+                      "the replica to leave the rotation")
+            streams.check()
         _wait_for(lambda: victim.state is ReplicaState.HEALTHY, 10, "the replica did not come back")
         assert victim.restarts == 1 and deployment.engines[victim.id] is not engine
         assert [complete_outcome(url, TOKENS) for _ in range(4)] == ["ok"] * 4
