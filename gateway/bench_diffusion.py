@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-rss-gib", type=float, default=7.0,
                    help="skip an HF static batch whose estimated RSS exceeds this (default: 7)")
     g.add_argument("--no-hf", action="store_true", help="tandem targets only")
+    g.add_argument("--device", default="cpu",
+                   help="cpu (default) or cuda: HF's device, and tandem's engine_args.device with one GPU per "
+                        "replica (HF's peak device memory per row from torch.cuda)")
     g.add_argument("--interleave", action="store_true",
                    help="levels outside, targets inside (a server start per level and target)")
 
@@ -191,9 +194,12 @@ def tandem_config(args, name: str, model_path: str, sampler: str, boundaries: st
         engine_args["sampler"] = sampler
     if args.memory_budget_gib:
         engine_args["memory_budget_gib"] = args.memory_budget_gib
+    gpu = getattr(args, "device", "cpu") != "cpu"
+    if gpu:
+        engine_args["device"] = args.device
     return {"gateway": {"host": "127.0.0.1", "port": args.port}, "ray": {"num_cpus": 2},
             "models": [{"name": name, "kind": "diffusion", "source": model_path,
-                        "resources": {"num_gpus": 0, "num_cpus": 1}, "engine_args": engine_args}]}
+                        "resources": {"num_gpus": 1 if gpu else 0, "num_cpus": 1}, "engine_args": engine_args}]}
 
 
 def run_tandem(args, name: str, model_path: str, workdir: Path, levels: list[int], sampler: str,
@@ -252,7 +258,7 @@ def run_tandem(args, name: str, model_path: str, workdir: Path, levels: list[int
 # -- HF generate(), in a child process --------------------------------------------------------
 def run_hf(args, model_path: str, workdir: Path, levels: list[int]) -> tuple[dict, dict]:
     spec = {"model_path": model_path, "levels": levels, "max_tokens": args.max_tokens, "steps": args.steps,
-            "requests": args.requests, "max_rss_gib": args.max_rss_gib}
+            "requests": args.requests, "max_rss_gib": args.max_rss_gib, "device": getattr(args, "device", "cpu")}
     log = workdir / "hf.log"
     with log.open("w") as err:
         proc = subprocess.run([sys.executable, "-m", "gateway.bench_diffusion", "--hf-child", json.dumps(spec)],
@@ -269,8 +275,10 @@ def _hf_child(spec: dict) -> dict:
 
     torch.set_num_threads(1)
     path, max_tokens, steps = spec["model_path"], spec["max_tokens"], spec["steps"]
+    device = torch.device(spec.get("device", "cpu"))
+    cuda = device.type == "cuda"
     tok = AutoTokenizer.from_pretrained(path)
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32).eval()
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32).to(device).eval()
     eos = {tok.convert_tokens_to_ids("<|im_end|>")}
     knobs = {"max_denoising_steps": steps} if steps else {}
     clock = {"decode_s": 0.0, "decodes": 0, "encode_s": 0.0}
@@ -302,22 +310,29 @@ def _hf_child(spec: dict) -> dict:
             clock[k] = 0
         rss0 = proc_mem().get("VmRSS", 0)
         reset_peak()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            dev0 = torch.cuda.memory_allocated()
         cpu0, service, tokens = time.process_time(), [], 0
         with RssSampler("self") as rss:
             for batch in batches:
                 t0 = time.perf_counter()
-                out = model.generate(torch.tensor(batch), max_new_tokens=max_tokens, **knobs)
-                service.append(time.perf_counter() - t0)
+                out = model.generate(torch.tensor(batch, device=device), max_new_tokens=max_tokens, **knobs)
+                service.append(time.perf_counter() - t0)  # .tolist() below waits for the device
                 tokens += sum(count(r) for r in out.sequences[:, len(batch[0]):].tolist())
         wall, cpu = sum(service), time.process_time() - cpu0
-        forwards = clock["decode_s"] + clock["encode_s"]
-        return {"tokens_per_s": tokens / wall, "output_tokens": tokens, "wall_s": wall,
-                "s_per_step": wall / max(clock["decodes"], 1), "rows_per_step": rows,
-                "outside_forward_share": max(0.0, 1 - forwards / wall),
-                "cpu_ms_per_token": 1000 * cpu / max(tokens, 1),
-                **memory_per_row(rss0, proc_mem().get("VmHWM", 0), rss.mean, rows)}, service
+        forwards = clock["decode_s"] + clock["encode_s"]  # on a GPU: launch time, not kernel time
+        res = {"tokens_per_s": tokens / wall, "output_tokens": tokens, "wall_s": wall,
+               "s_per_step": wall / max(clock["decodes"], 1), "rows_per_step": rows,
+               "outside_forward_share": max(0.0, 1 - forwards / wall),
+               "cpu_ms_per_token": 1000 * cpu / max(tokens, 1),
+               **memory_per_row(rss0, proc_mem().get("VmHWM", 0), rss.mean, rows)}
+        if cuda:
+            res["device_peak_growth_per_row_mb"] = (torch.cuda.max_memory_allocated() - dev0) / rows / MB
+        return res, service
 
-    model.generate(torch.tensor([ids("warm up")]), max_new_tokens=1, max_denoising_steps=1)
+    model.generate(torch.tensor([ids("warm up")], device=device), max_new_tokens=1, max_denoising_steps=1)
     seq, static, peak_row = {}, {}, 0.0
     for c in spec["levels"]:
         prompts = [ids(t) for t in _texts(num_requests(spec["requests"], c), c)]
@@ -371,6 +386,7 @@ COLUMNS = [
     ("CPU ms/token (replica)", "replica_cpu_ms_per_token", "{:.0f}"),
     ("peak RSS growth/row MB", "peak_growth_per_row_mb", "{:.0f}"),
     ("mean RSS growth/row MB", "mean_growth_per_row_mb", "{:.0f}"),
+    ("device peak growth/row MB", "device_peak_growth_per_row_mb", "{:.0f}"),
     ("latency p50 ms", "latency_p50_ms", "{:.0f}"),
     ("1st block p50 ms", "first_block_p50_ms", "{:.0f}"),
     ("admission wait mean ms", "admission_wait_mean_ms", "{:.0f}"),
