@@ -4,7 +4,16 @@ Padded SDPA over rows of different cache lengths drifts by ~1e-6 in the logits o
 enough to flip a near-tie. Instead each row attends over its own valid keys only, with the very
 SDPA call a lone sequence makes, so a row's logits do not depend on its batch mates. The runner
 sets ``ROWS`` (valid key counts per layer, keys left-padded) around a batched decoder forward;
-outside it (encoder passes) this is plain SDPA.
+outside it (encoder passes) this is plain SDPA. That per-row loop is the exact mode's only.
+
+The fast mode (``FAST``) makes ONE call per decoder layer for the whole batch: the decoder sees
+only the canvas keys (an empty cache view), and each row's context K/V comes from a right-padded
+view whose length is a multiple of ``ATTN_BLOCK``. Attention runs blockwise with an online
+softmax: the canvas block first, then the context blocks. Padded SDPA is not batch-invariant
+(its result moves by ~1e-7 with the padded length, i.e. with the longest batch mate), but here a
+row's blocks are laid out by its own length only, and the blocks beyond it are fully masked,
+which adds exact zeros: a row's attention output does not depend on its batch mates.
+(On a GPU a varlen kernel reading a paged cache in place is the better answer.)
 """
 
 from __future__ import annotations
@@ -17,6 +26,18 @@ ATTN_NAME = "tandem_rowwise"
 ROWS: ContextVar[dict[int, list[int]] | None] = ContextVar("tandem_rows", default=None)
 # Batched encoder passes: per row, its own K/V (written to its own cache) and its own mask.
 ENCODE: ContextVar[EncodeSpec | None] = ContextVar("tandem_encode", default=None)
+FAST: ContextVar[FastSpec | None] = ContextVar("tandem_fast", default=None)
+ATTN_BLOCK = 256
+# Attention kernel calls made by decoder forwards (tests count them per step).
+KERNEL_CALLS = [0]
+
+
+class FastSpec:
+    """Per layer: the rows' context K/V right-padded to a multiple of ATTN_BLOCK (zeros beyond
+    each row), and each row's valid context length (B,)."""
+
+    def __init__(self, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], valid: dict[int, torch.Tensor]):
+        self.kv, self.valid = kv, valid
 
 
 class EncodeSpec:
@@ -58,14 +79,47 @@ def rowwise_attention(module, query, key, value, attention_mask, **kwargs):
             out = sdpa_attention_forward(module, query[b:b + 1, :, total - n:], k, v, mask, **kwargs)[0]
             outs.append(torch.nn.functional.pad(out, (0, 0, 0, 0, total - n, 0)))  # back to the left-padded length
         return torch.cat(outs, dim=0), None
+    fast = FAST.get()
+    if fast is not None:
+        KERNEL_CALLS[0] += 1
+        k, v = fast.kv[module.layer_idx]
+        return blocked_attention(query, key, value, k, v, fast.valid[module.layer_idx], module.scaling), None
     spec = ROWS.get()
     if spec is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     lengths = spec[module.layer_idx]
+    KERNEL_CALLS[0] += len(lengths)
     total = key.shape[2]
     outs = [sdpa_attention_forward(module, query[b:b + 1], key[b:b + 1, :, total - n:], value[b:b + 1, :, total - n:],
                                    None, **kwargs)[0] for b, n in enumerate(lengths)]
     return torch.cat(outs, dim=0), None
+
+
+def blocked_attention(query, canvas_k, canvas_v, ctx_k, ctx_v, valid, scaling):
+    """query (B, H, C, d) over [canvas | each row's context]; returns (B, C, H, d) as SDPA's
+    wrapper does. Online softmax over the canvas block, then ATTN_BLOCK-sized context blocks."""
+    B, H, C, d = query.shape
+    kvh = canvas_k.shape[1]
+    q = query.reshape(B, kvh, (H // kvh) * C, d)  # grouped-query heads share their K/V head
+    if scaling != 1.0:
+        q = q * scaling
+    scores = torch.matmul(q, canvas_k.transpose(-1, -2))
+    m = scores.amax(-1)
+    p = torch.exp(scores - m[..., None])
+    denom = p.sum(-1)
+    acc = torch.matmul(p, canvas_v)
+    for j in range(0, ctx_k.shape[2], ATTN_BLOCK):
+        s = torch.matmul(q, ctx_k[:, :, j:j + ATTN_BLOCK].transpose(-1, -2))
+        pos = torch.arange(j, j + ATTN_BLOCK, device=s.device)
+        s.masked_fill_((pos[None, :] >= valid[:, None])[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        corr = torch.exp(m - m_new)  # exactly 1 for a row whose block is all padding
+        p = torch.exp(s - m_new[..., None])
+        denom = denom * corr + p.sum(-1)
+        acc = acc * corr[..., None] + torch.matmul(p, ctx_v[:, :, j:j + ATTN_BLOCK])
+        m = m_new
+    out = (acc / denom[..., None]).reshape(B, H, C, d)
+    return out.transpose(1, 2).contiguous()
 
 
 def register() -> None:

@@ -1,26 +1,37 @@
 """The runner: per-sequence tensors and the execution of one ``StepBatch``.
 
-Per sequence: its own KV cache (prompt + committed blocks), canvas, self-conditioning logits,
-stability history, step count and random generator, freed when it leaves. Nothing is
-preallocated per ``max_batch``. Per step: ONE batched encoder pass (prefills and commits, each
-row with its own mask into its own cache), then ONE batched decoder forward over every row
-being denoised: a left-padded K/V view of the rows' caches (built once per block and sliced as
-rows leave), per-row positions, self-conditioning zeros + mask for rows on their first step,
-and row-wise attention (``attention.py``). Each step's random draws are made in a second
-thread while the forward runs (they depend only on each row's generator).
+Per sequence: its own KV cache (prompt + committed blocks), canvas, self-conditioning soft
+embedding (canvas x hidden: nothing vocab-sized is held between steps), stability history,
+random generator (exact mode), freed when it leaves. Nothing is preallocated per ``max_batch``.
+Per step:
+1. ONE batched encoder pass (prefills and commits, each row with its own mask into its cache);
+2. ONE batched decoder forward (the trunk) over every row being denoised -> hidden states;
+3. the vocab-wide head and sampler over ``chunk_rows`` rows at a time (``diffusiongemma_vocab``),
+   so its transient peak does not grow with the batch; random draws just in time;
+4. entropy-bound acceptance for all rows at once, and ONE host transfer of every row's
+   decisions (argmax canvas, confidence).
+
+``sampler="exact"`` reproduces ``generate()`` run alone bit for bit (per-row attention kernels
+and per-row vocab work with HF's shapes: exact mode only). ``sampler="fast"``: one attention
+call per layer, fused vocab work, hash-based draws; batch-invariant, not equal to HF.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from diffusion_plugin.attention import ROWS
+from diffusion_plugin.attention import FAST, ROWS
 from diffusion_plugin.batch import RowOutput, StepBatch, StepOutput
+from diffusion_plugin.families import diffusiongemma_vocab as vocab
+from diffusion_plugin.kv_view import ExactViews, FastViews
 from diffusion_plugin.request import Sequence
+
+SAMPLERS = ("exact", "fast")
+# Streams of the fast mode's hash draws.
+_INIT, _SAMPLE, _RENOISE = 1, 2, 3
 
 
 @dataclass
@@ -31,35 +42,23 @@ class _Row:
     pending: torch.Tensor  # tokens to encode before the next block (prompt, then the last block)
     cur_len: int = 0  # tokens in the cache
     canvas: torch.Tensor | None = None
-    sc_logits: torch.Tensor | None = None
-    history: torch.Tensor | None = None
+    soft: torch.Tensor | None = None  # (1, C, H) self-conditioning soft embedding; None on a first step
+    history: list[list[int]] | None = None  # the last argmax canvases (stability rule)
     argmax: torch.Tensor | None = None
     version: int = 0  # bumped when the cache changes
     images: object | None = None  # this sequence's own image features, until its prompt pass
 
 
-class _LayerView:
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        self.keys, self.values = keys, values
-
-
-class _CacheView:
-    """What the decoder reads: ``layers[i].keys/values`` (left-padded), never written."""
-
-    is_compileable = False
-
-    def __init__(self, layers: list[_LayerView]):
-        self.layers = layers
-
-
 class Runner:
-    def __init__(self, adapter):
+    def __init__(self, adapter, sampler: str = "exact", chunk_rows: int = 1, per_row_trunk: bool = True):
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}")
         self.adapter = adapter
+        self.sampler = sampler
+        self.chunk_rows = max(1, int(chunk_rows)) if sampler == "fast" else 1  # exact: HF's (1, C, V)
+        self.per_row_trunk = per_row_trunk
         self.rows: dict[str, _Row] = {}
-        self._view_key: tuple | None = None
-        self._view: tuple[_CacheView, dict[int, list[int]]] | None = None
-        # Random draws do not depend on the forward: a second thread makes them meanwhile.
-        self._noise_pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-noise")
+        self._views = FastViews() if sampler == "fast" else ExactViews(adapter.canvas_length)
 
     def admit(self, seq: Sequence) -> None:
         gen = torch.Generator(device=self.adapter.device).manual_seed(seq.params.seed)
@@ -68,12 +67,21 @@ class Runner:
                                      images=seq.images)
 
     def free(self, seq_id: str) -> None:
-        self.rows.pop(seq_id, None)  # a cached K/V view still holding it is sliced, not reused whole
+        self.rows.pop(seq_id, None)
 
     def reset(self) -> None:
         """After a failed batch: drop every sequence's state."""
         self.rows.clear()
-        self._view_key, self._view = None, None
+        self._views.reset()
+
+    def held_bytes(self) -> int:
+        """Bytes held by sequences between steps beyond their KV caches (for measurements)."""
+        total = 0
+        for r in self.rows.values():
+            for t in (r.canvas, r.soft, r.argmax, r.pending):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total
 
     @torch.no_grad()
     def execute(self, batch: StepBatch, seqs: dict[str, Sequence]) -> StepOutput:
@@ -83,117 +91,141 @@ class Runner:
         for seq_id in batch.admit:
             self.admit(seqs[seq_id])
         forward_s = 0.0
-        C = self.adapter.canvas_length
-        # 1. One batched encoder pass (prefills and commits) writes each sequence's cache,
-        #    then each draws its new canvas.
+        # 1. One batched encoder pass (prefills and commits), then each row draws its new canvas.
         encoding = [self.rows[s] for s in batch.encode]
         if encoding:
             t = time.perf_counter()
-            images = [r.images for r in encoding]
-            self.adapter.encode([r.cache for r in encoding], [r.pending for r in encoding],
-                                [r.cur_len for r in encoding], images if any(i is not None for i in images) else None)
+            # Exact mode encodes row by row (as generate() alone): batched GEMMs are not
+            # row-invariant on every BLAS, and the encoder is a small share of a step.
+            groups = [[r] for r in encoding] if self.sampler == "exact" and self.per_row_trunk else [encoding]
+            for group in groups:
+                images = [r.images for r in group]
+                self.adapter.encode([r.cache for r in group], [r.pending for r in group], [r.cur_len for r in group],
+                                    images if any(i is not None for i in images) else None)
             forward_s += time.perf_counter() - t
         for row in encoding:
             row.images = row.seq.images = None  # in the cache now: the features are freed
             row.cur_len += row.pending.shape[1]
             row.version += 1
-            row.canvas = self.adapter.init_canvas(row.generator)
-            row.sc_logits, row.history = None, None
+            row.pending = None
+            row.canvas = self._init_canvas(row)
+            row.soft, row.history = None, None
         out = StepOutput()
         if batch.denoise:
             rows = [self.rows[s] for s in batch.denoise]
-            view, lengths = self._kv_view(rows)
-            canvas = torch.cat([r.canvas for r in rows])
-            positions = torch.stack([torch.arange(r.cur_len, r.cur_len + C, dtype=torch.int32) for r in rows])
-            sc_logits, sc_mask = self._self_conditioning(rows)
-            noise = self._noise_pool.submit(self.adapter.draw_noise, [r.generator for r in rows])
             t = time.perf_counter()
-            token = ROWS.set(lengths)
-            try:
-                logits = self.adapter.decode(canvas, view, positions, sc_logits, sc_mask)
-                forward_s += time.perf_counter() - t
-            finally:
-                ROWS.reset(token)
-                draws = noise.result()  # always joined: a row's generator is never used twice at once
-            params = [r.seq.params for r in rows]
-            steps_left = [r.seq.params.max_denoising_steps - r.seq.step for r in rows]
-            processed, new_canvas, argmax, entropy = self.adapter.sample(logits, canvas, params, steps_left, draws)
-            mean_entropy = entropy.mean(-1)
-            for b, row in enumerate(rows):
-                p = row.seq.params
-                row.canvas = new_canvas[b:b + 1]
-                row.argmax = argmax[b:b + 1]
-                row.sc_logits = processed[b:b + 1]
-                stable, row.history = self.adapter.is_stable(row.history, row.argmax, p.stability_threshold)
-                confident = bool(mean_entropy[b] < p.confidence_threshold)
-                done = (stable and confident) or steps_left[b] <= 1
-                tokens = row.argmax[0].tolist()
-                if done:
-                    row.pending = row.argmax  # the commit pass encodes the argmax canvas
-                out.rows.append(RowOutput(seq_id=row.seq.seq_id, block_done=done,
-                                          committed=tokens if done else None,
-                                          preview=tokens if p.previews else None))
+            hidden = self._trunk(rows)
+            forward_s += time.perf_counter() - t
+            out.rows = self._sample(rows, hidden)
         out.forward_s = forward_s
         out.step_s = time.perf_counter() - t0
         return out
 
-    def _self_conditioning(self, rows: list[_Row]):
-        if all(r.sc_logits is None for r in rows):
-            return None, None
-        if all(r.sc_logits is not None for r in rows):
-            return torch.cat([r.sc_logits for r in rows]), None
-        shape = next(r.sc_logits for r in rows if r.sc_logits is not None).shape
-        logits = torch.cat([r.sc_logits if r.sc_logits is not None else torch.zeros(shape) for r in rows])
-        mask = torch.tensor([r.sc_logits is not None for r in rows])
-        return logits, mask
-
-    def _kv_view(self, rows: list[_Row]):
-        """Left-padded K/V per layer for these rows, plus each row's valid key count per layer."""
-        key = (tuple(r.seq.seq_id for r in rows), tuple(r.version for r in rows))
-        if self._view_key == key:
-            return self._view
-        if self._view_key is not None and self._can_slice(key):
-            view, lengths = self._slice(key)
+    # -- 2. the trunk -----------------------------------------------------------------------
+    def _trunk(self, rows: list[_Row]) -> torch.Tensor:
+        C = self.adapter.canvas_length
+        canvas = torch.cat([r.canvas for r in rows])
+        positions = torch.stack([torch.arange(r.cur_len, r.cur_len + C, dtype=torch.int32) for r in rows])
+        soft = self._soft(rows)
+        ids, versions, caches = [r.seq.seq_id for r in rows], [r.version for r in rows], [r.cache for r in rows]
+        if self.sampler == "exact" and self.per_row_trunk:
+            # Exact mode only: each row alone through the decoder over its own cache, exactly
+            # generate()'s call, where batched GEMMs are not row-invariant (BLAS-dependent).
+            return torch.cat([self.adapter.decode_hidden(canvas[b:b + 1], r.cache, positions[b:b + 1],
+                                                         None if soft is None else soft[b:b + 1])
+                              for b, r in enumerate(rows)])
+        if self.sampler == "fast":
+            view, spec = self._views.get(ids, versions, caches)
+            var, value = FAST, spec
         else:
-            view, lengths = self._build(rows)
-        self._view_key, self._view = key, (view, lengths)
-        return view, lengths
+            view, lengths = self._views.get(ids, versions, caches)
+            var, value = ROWS, lengths
+        token = var.set(value)
+        try:
+            return self.adapter.decode_hidden(canvas, view, positions.to(canvas.device), soft)
+        finally:
+            var.reset(token)
 
-    def _can_slice(self, key) -> bool:
-        old = dict(zip(*self._view_key, strict=True))
-        return all(old.get(s) == v for s, v in zip(*key, strict=True))
+    def _soft(self, rows: list[_Row]) -> torch.Tensor | None:
+        if all(r.soft is None for r in rows):
+            return None  # the decoder's own zeros
+        like = next(r.soft for r in rows if r.soft is not None)
+        return torch.cat([r.soft if r.soft is not None else torch.zeros_like(like) for r in rows])
 
-    def _slice(self, key):
-        old_ids = list(self._view_key[0])
-        index = torch.tensor([old_ids.index(s) for s in key[0]])
-        view, lengths = self._view
-        layers = [_LayerView(layer.keys.index_select(0, index), layer.values.index_select(0, index))
-                  for layer in view.layers]
+    # -- 3./4. the vocab-wide head, the sampler, the decisions ------------------------------
+    def _sample(self, rows: list[_Row], hidden: torch.Tensor) -> list[RowOutput]:
+        steps_left = [r.seq.params.max_denoising_steps - r.seq.step for r in rows]
+        if self.sampler == "fast":
+            sampled, argmax, entropy, renoise, soft = self._fast(rows, hidden, steps_left)
+        else:
+            sampled, argmax, entropy, renoise, soft = self._exact(rows, hidden, steps_left)
+        canvas = torch.cat([r.canvas for r in rows])
+        bounds = torch.tensor([r.seq.params.entropy_bound for r in rows], dtype=entropy.dtype).unsqueeze(-1)
+        # Entropy-bound acceptance (HF's expressions), all rows at once: sorts and cumsums are per row.
+        sorted_entropy, sorted_idx = torch.sort(entropy, dim=-1, descending=False)
+        selection = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= bounds
+        accepted = torch.scatter(input=torch.zeros_like(selection), dim=-1, index=sorted_idx, src=selection)
+        new_canvas = torch.where(~accepted, renoise, torch.where(accepted, sampled, canvas))
+        # Compared as HF does: a float32 mean against the threshold as a float32 scalar.
+        thresholds = torch.tensor([r.seq.params.confidence_threshold for r in rows], dtype=entropy.dtype)
+        confident = entropy.mean(-1) < thresholds
+        decisions = torch.cat([argmax, confident[:, None].to(argmax.dtype)], dim=1).tolist()  # one host transfer
+        outputs = []
+        for b, row in enumerate(rows):
+            p = row.seq.params
+            row.canvas, row.argmax, row.soft = new_canvas[b:b + 1], argmax[b:b + 1], soft[b:b + 1]
+            tokens, confident_b = decisions[b][:-1], bool(decisions[b][-1])
+            stable = self._stable(row, tokens, p.stability_threshold)
+            done = (stable and confident_b) or steps_left[b] <= 1
+            if done:
+                row.pending = row.argmax  # the commit pass encodes the argmax canvas
+            outputs.append(RowOutput(seq_id=row.seq.seq_id, block_done=done, committed=tokens if done else None,
+                                     preview=tokens if p.previews else None))
+        return outputs
+
+    def _exact(self, rows, hidden, steps_left):
+        """Per row, HF's shapes and ops, each row's draws from its own generator in HF's order
+        (multinomial noise, then renoise). Exact mode only: bit-exactness needs (1, C, V)."""
+        parts = [vocab.exact_row(self.adapter.model, hidden[b:b + 1], r.seq.params, steps_left[b], r.generator)
+                 for b, r in enumerate(rows)]
+        return tuple(torch.cat(xs) for xs in zip(*parts, strict=True))
+
+    def _fast(self, rows, hidden, steps_left):
+        seeds, counters = self._counters(rows)
+        V = self.adapter.vocab_size
+        inv_t = torch.tensor([1.0 / _temperature(r.seq.params, s) for r, s in zip(rows, steps_left, strict=True)],
+                             dtype=torch.float32, device=hidden.device)
         C = self.adapter.canvas_length
-        new_lengths = {i: [lengths[i][j] for j in index.tolist()] for i in lengths}
-        # Keys padded for rows that left stay masked; trim the left padding no row needs.
-        for i, layer in enumerate(layers):
-            need = max(new_lengths[i]) - C
-            if need < layer.keys.shape[2]:
-                layers[i] = _LayerView(layer.keys[:, :, layer.keys.shape[2] - need:],
-                                       layer.values[:, :, layer.values.shape[2] - need:])
-        return _CacheView(layers), new_lengths
+        uniform = vocab.hash_uniform(seeds, counters, C, _SAMPLE)
+        renoise = vocab.hash_draws(seeds, counters, C, _RENOISE) % V
+        parts = [vocab.fast_chunk(self.adapter.model, hidden[i:i + self.chunk_rows], inv_t[i:i + self.chunk_rows],
+                                  uniform[i:i + self.chunk_rows]) for i in range(0, len(rows), self.chunk_rows)]
+        sampled, argmax, entropy, soft = (torch.cat(xs) for xs in zip(*parts, strict=True))
+        return sampled, argmax, entropy, renoise, soft
 
-    def _build(self, rows: list[_Row]):
-        C = self.adapter.canvas_length
-        layers, lengths = [], {}
-        num_layers = len(rows[0].cache.layers)
-        for i in range(num_layers):
-            ks = [r.cache.layers[i].keys for r in rows]
-            vs = [r.cache.layers[i].values for r in rows]
-            longest = max(k.shape[2] for k in ks)
-            layers.append(_LayerView(_left_pad(ks, longest), _left_pad(vs, longest)))
-            lengths[i] = [k.shape[2] + C for k in ks]
-        return _CacheView(layers), lengths
+    def _counters(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.adapter.device
+        seeds = torch.tensor([r.seq.params.seed for r in rows], dtype=torch.int64, device=device)
+        counters = torch.tensor([r.seq.block * 4096 + r.seq.step for r in rows], dtype=torch.int64, device=device)
+        return seeds, counters
+
+    def _init_canvas(self, row: _Row) -> torch.Tensor:
+        if self.sampler == "exact":
+            return self.adapter.init_canvas(row.generator)
+        seeds, counters = self._counters([row])
+        return vocab.hash_draws(seeds, counters, self.adapter.canvas_length, _INIT) % self.adapter.vocab_size
+
+    @staticmethod
+    def _stable(row: _Row, tokens: list[int], threshold: int) -> bool:
+        """The stable half of StableAndConfidentStoppingCriteria: this argmax canvas equals each
+        of the last ``threshold`` ones (none yet counts as different)."""
+        if threshold == 0:
+            return True
+        history = row.history or []
+        stable = len(history) == threshold and all(h == tokens for h in history)
+        row.history = (history + [tokens])[-threshold:]
+        return stable
 
 
-def _left_pad(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
-    out = tensors[0].new_zeros((len(tensors), tensors[0].shape[1], length, tensors[0].shape[3]))
-    for b, t in enumerate(tensors):
-        out[b, :, length - t.shape[2]:] = t[0]
-    return out
+def _temperature(p, steps_left: int) -> float:
+    return p.t_min + (p.t_max - p.t_min) * (steps_left / p.max_denoising_steps)

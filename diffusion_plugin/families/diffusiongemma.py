@@ -1,6 +1,7 @@
 """What is DiffusionGemma's own: loading, the encoder and decoder calls, self-conditioning,
 the entropy-bound sampler and its stopping rule, the generation-config defaults.
 
+The vocab-wide part of a step (lm_head, softcap, sampler) is in ``diffusiongemma_vocab``.
 Every numeric step copies transformers' ``generation_diffusion_gemma.py`` (5.19) expression by
 expression, so a sequence reproduces ``generate()`` run alone bit for bit in float32
 (see ``diffusion_plugin/NOTES_generate.md``). Random draws use each sequence's own generator
@@ -9,12 +10,16 @@ in the reference's order: canvas init per block; per step the multinomial, then 
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 
 from diffusion_plugin.attention import ATTN_NAME, ENCODE, EncodeCacheView, EncodeSpec, register
-from diffusion_plugin.request import SamplingParams
+from diffusion_plugin.memory import MemoryShape
+
+# The self-conditioning soft embeddings of the current decoder forward (see decode_hidden).
+SOFT: ContextVar[torch.Tensor | None] = ContextVar("tandem_soft", default=None)
 
 FAMILY = "diffusiongemma"
 
@@ -46,6 +51,14 @@ def _image_processor(path: str):
         return Gemma4ImageProcessorPil.from_pretrained(path)
 
 
+def _soft_embeddings(module, args):
+    """Called with the decoder's ``(inputs_embeds, soft_embeddings)``; the decoder got no logits
+    (so its soft embeddings are zeros): substitute ours, computed right after the last step with
+    the decoder's own expression on the same shapes (see ``diffusiongemma_vocab``)."""
+    soft = SOFT.get()
+    return None if soft is None else (args[0], soft)
+
+
 class DiffusionGemmaAdapter:
     def __init__(self, path: str, dtype: str = "float32", device: str = "cpu", num_threads: int | None = None):
         from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
@@ -56,6 +69,7 @@ class DiffusionGemmaAdapter:
         model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=getattr(torch, dtype))
         self.model = model.to(device).eval()
         self.model.set_attn_implementation(ATTN_NAME)
+        self.model.model.decoder.self_conditioning.register_forward_pre_hook(_soft_embeddings)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         cfg = self.model.config
         self.device = torch.device(device)
@@ -168,67 +182,36 @@ class DiffusionGemmaAdapter:
             ENCODE.reset(token)
 
     @torch.no_grad()
-    def decode(self, canvas: torch.Tensor, view, positions: torch.Tensor, sc_logits: torch.Tensor | None,
-               sc_mask: torch.Tensor | None) -> torch.Tensor:
-        """One batched bidirectional decoder forward over [cache | canvas]; returns (B, C, V) float32 logits."""
-        nones = {t: None for t in set(self.layer_types)}  # rows are masked by the row-wise attention
-        return self.model(decoder_input_ids=canvas, self_conditioning_logits=sc_logits, self_conditioning_mask=sc_mask,
-                          past_key_values=view, decoder_attention_mask=nones, decoder_position_ids=positions).logits
+    def decode_hidden(self, canvas: torch.Tensor, view, positions: torch.Tensor,
+                      soft: torch.Tensor | None) -> torch.Tensor:
+        """One batched bidirectional decoder forward over [cache | canvas]; returns the (B, C, H)
+        hidden states (the vocab-wide head runs later, a few rows at a time). ``soft`` is each
+        row's self-conditioning soft embedding (zeros on a block's first step), fed to the
+        self-conditioning MLP in place of the one the decoder would compute from logits."""
+        nones = {t: None for t in set(self.layer_types)}  # rows are masked by our attention
+        token = SOFT.set(soft)
+        try:
+            return self.model.model.decoder(decoder_input_ids=canvas, past_key_values=view,
+                                            decoder_attention_mask=nones,
+                                            decoder_position_ids=positions).last_hidden_state
+        finally:
+            SOFT.reset(token)
+
+    def memory_shape(self) -> MemoryShape:
+        """What the scheduler needs to reserve memory per sequence (no torch there)."""
+        text = self.model.config.get_text_config(decoder=True)
+        layers = []
+        for i, kind in enumerate(self.layer_types):
+            attn = self.model.model.decoder.layers[i].self_attn
+            kv_heads = attn.k_proj.out_features // attn.head_dim
+            # Full layers without v_proj still cache values (K-derived): both count.
+            layers.append((kv_heads * attn.head_dim, self.sliding_window - 1 if kind == "sliding_attention" else None))
+        itemsize = torch.empty((), dtype=self.model.dtype).element_size()
+        return MemoryShape(canvas_length=self.canvas_length, vocab_size=self.vocab_size,
+                           hidden_size=text.hidden_size, itemsize=itemsize, layers=tuple(layers),
+                           num_heads=text.num_attention_heads)
 
     # -- the sampler (as in generation_diffusion_gemma.py) -------------------------------
     def init_canvas(self, generator: torch.Generator) -> torch.Tensor:
         return torch.randint(low=0, high=self.vocab_size, size=(1, self.canvas_length), generator=generator,
                              device=self.device)
-
-    @staticmethod
-    def temperature(p: SamplingParams, steps_left: int) -> torch.Tensor:
-        cur_step = torch.tensor(steps_left, dtype=torch.int32)  # a tensor, exactly as HF (float32 maths)
-        return p.t_min + ((p.t_max - p.t_min) * (cur_step / p.max_denoising_steps))
-
-    def draw_noise(self, generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step's random draws for each row, in the reference's order: the multinomial's
-        exponential noise over (C, V), then the renoise tokens. They do not depend on the
-        model's output, so the runner draws them while the forward runs."""
-        C, V = self.canvas_length, self.vocab_size
-        exp_noise = torch.empty((len(generators), C, V), device=self.device)
-        renoise = torch.empty((len(generators), C), dtype=torch.long, device=self.device)
-        for b, g in enumerate(generators):
-            exp_noise[b].exponential_(1, generator=g)
-            renoise[b] = torch.randint(low=0, high=V, size=(1, C), generator=g, device=self.device)[0]
-        return exp_noise, renoise
-
-    def sample(self, logits: torch.Tensor, canvas: torch.Tensor, params: list[SamplingParams],
-               steps_left: list[int], noise: tuple[torch.Tensor, torch.Tensor]):
-        """One denoise step for B rows. Returns (processed logits, new canvas, argmax, entropy).
-
-        ``torch.multinomial(p, 1)`` on CPU is ``argmax(p / q)`` with ``q ~ Exp(1)`` drawn by
-        ``exponential_`` on a tensor shaped like ``p`` (its no-replacement fast path); with ``q``
-        pre-drawn from the row's generator the draw is identical (the parity test holds us to it).
-        """
-        rows = logits.shape[0]
-        exp_noise, renoise = noise
-        # The division per row keeps HF's exact op (its own 0-dim float32 temperature).
-        processed = torch.cat([logits[b:b + 1] / self.temperature(params[b], steps_left[b]) for b in range(rows)])
-        probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
-        sampled = torch.argmax(probs / exp_noise, dim=-1)
-        argmax = torch.argmax(processed, dim=-1)
-        entropy = torch.distributions.Categorical(logits=processed, validate_args=False).entropy()
-        sorted_entropy, sorted_idx = torch.sort(entropy, dim=-1, descending=False)
-        bounds = torch.tensor([p.entropy_bound for p in params], dtype=entropy.dtype).unsqueeze(-1)
-        selection = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= bounds
-        accepted = torch.scatter(input=torch.zeros_like(selection), dim=-1, index=sorted_idx, src=selection)
-        kept = torch.where(accepted, sampled, canvas)
-        new_canvas = torch.where(~accepted, renoise, kept)
-        return processed, new_canvas, argmax, entropy
-
-    @staticmethod
-    def is_stable(history: torch.Tensor | None, argmax: torch.Tensor, threshold: int):
-        """The stable half of StableAndConfidentStoppingCriteria; returns (stable, new history)."""
-        if threshold == 0:
-            return True, history
-        if history is None:
-            history = torch.full((threshold, 1, argmax.shape[-1]), -1, dtype=argmax.dtype)
-        stable = bool((history == argmax[None]).all(-1).all(0))
-        history = torch.roll(history, shifts=-1, dims=0)
-        history[-1] = argmax
-        return stable, history

@@ -1,0 +1,120 @@
+"""The vocab-wide part of a DiffusionGemma denoise step, over a few rows at a time.
+
+At the released shape one canvas x vocab float32 tensor is 256 MiB; HF's step makes ~10 of them
+per row (logits, softcap, processed logits, softmax, multinomial noise, entropy temporaries, the
+self-conditioning softmax). Both samplers here take the decoder's hidden states for a chunk of
+rows and return only canvas-sized results plus the next step's self-conditioning signal as its
+canvas x hidden soft embedding, so nothing vocab-sized outlives the chunk and the transient peak
+does not grow with the batch.
+
+- ``exact_row``: one row, HF's own expressions on HF's own shapes (lm_head, softcap, temperature
+  as a 0-dim float32 tensor, softmax, ``multinomial`` as argmax(p / Exp(1)) with the noise drawn
+  here just in time from the row's generator, Categorical entropy, the decoder's soft-embedding
+  matmul), so a sequence stays bit-exact with ``generate()`` run alone.
+- ``fast_chunk``: fused and in place (softcap and temperature on one buffer, one max pass for
+  argmax and the log-softmax shift, entropy and soft embedding from one exp), sampling by
+  inverse CDF with one uniform per position (C draws, not C x V), from a counter-based hash
+  of (seed, step, position) so rows need no generator and a row's draws never depend on its
+  batch mates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffusion_plugin.request import SamplingParams
+
+CDF_BLOCK = 512  # the inverse CDF finds a block of this many ids first, then the id inside it
+
+
+def temperature(p: SamplingParams, steps_left: int) -> torch.Tensor:
+    cur_step = torch.tensor(steps_left, dtype=torch.int32)  # a tensor, exactly as HF (float32 maths)
+    return p.t_min + ((p.t_max - p.t_min) * (cur_step / p.max_denoising_steps))
+
+
+@torch.no_grad()
+def exact_row(model, hidden: torch.Tensor, p: SamplingParams, steps_left: int, generator: torch.Generator):
+    """One row (1, C, H) -> (sampled, argmax, entropy, renoise) each (1, C), and soft (1, C, H)."""
+    cap = model.final_logit_softcapping
+    logits = model.lm_head(hidden)  # as DiffusionGemmaForBlockDiffusion.forward, expression by expression
+    logits = logits.to(torch.float32)
+    logits = logits / cap
+    logits = torch.tanh(logits)
+    logits = logits * cap
+    processed = logits / temperature(p, steps_left)
+    del logits
+    probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+    # torch.multinomial(probs, 1) on CPU is argmax(probs / q), q ~ Exp(1) drawn by exponential_
+    # on a tensor shaped like probs (its no-replacement path): drawn now, from the row's generator.
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    sampled = torch.argmax(probs / noise, dim=-1)
+    del noise
+    renoise = torch.randint(low=0, high=model.config.text_config.vocab_size, size=sampled.shape, generator=generator,
+                            device=sampled.device)
+    argmax = torch.argmax(processed, dim=-1)
+    entropy = torch.distributions.Categorical(logits=processed, validate_args=False).entropy()
+    # The decoder's own self-conditioning expression (softmax of the processed logits @ embedding).
+    embed = model.model.decoder.embed_tokens
+    soft = torch.matmul(probs.to(embed.weight.dtype), embed.weight) * embed.embed_scale.to(hidden.dtype)
+    return sampled, argmax, entropy, renoise, soft
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (wrapping multiplication): a counter -> 64 random bits."""
+    x = x ^ (x >> 30) & 0x3FFFFFFFF
+    x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9 as a signed int64
+    x = x ^ (x >> 27) & 0x1FFFFFFFFF
+    x = x * -7723592293110705685  # 0x94D049BB133111EB
+    return x ^ (x >> 31) & 0x1FFFFFFFF
+
+
+def hash_draws(seeds: torch.Tensor, counters: torch.Tensor, length: int, stream: int) -> torch.Tensor:
+    """(R,) seeds and step counters -> (R, length) int64 in [0, 2**31): a pure function of each
+    row's own (seed, counter, position, stream), so a row draws the same batched or alone."""
+    pos = torch.arange(length, dtype=torch.int64, device=seeds.device)
+    key = _mix(seeds[:, None] * 1_000_003 + stream) ^ _mix(counters[:, None] * 4_099 + pos[None, :] * 65_537 + stream)
+    return (_mix(key) >> 33) & 0x7FFFFFFF
+
+
+def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor, length: int, stream: int) -> torch.Tensor:
+    return (hash_draws(seeds, counters, length, stream).to(torch.float64) + 0.5) / 2**31
+
+
+@torch.no_grad()
+def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.Tensor):
+    """R rows (R, C, H), 1/temperature (R,), one uniform per position (R, C) float64 ->
+    (sampled, argmax, entropy) each (R, C), and the soft embedding (R, C, H)."""
+    cap = model.final_logit_softcapping
+    embed = model.model.decoder.embed_tokens
+    weight = model.lm_head.weight
+    x = torch.matmul(hidden, weight.t()).float()  # lm_head
+    x.div_(cap).tanh_().mul_((cap * inv_t).to(x.dtype)[:, None, None])  # softcap, then / temperature
+    top, argmax = x.max(dim=-1)
+    x.sub_(top[..., None])  # log-probabilities up to the log-normaliser
+    e = torch.exp(x)
+    total = e.sum(-1)
+    # Entropy of softmax(x): log S - sum(e * x) / S (x shifted by its max, so S >= 1).
+    ex = torch.matmul(e.unsqueeze(-2), x.unsqueeze(-1))[..., 0, 0]
+    entropy = torch.log(total) - ex / total
+    del x
+    soft = torch.matmul(e.to(weight.dtype), embed.weight) / total[..., None].to(weight.dtype)
+    soft = soft * embed.embed_scale.to(hidden.dtype)
+    sampled = _inverse_cdf(e, uniform)
+    return sampled, argmax, entropy, soft
+
+
+def _inverse_cdf(e: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The id whose cumulative (unnormalised) mass first exceeds u * total, per position: block
+    sums, their cumsum, then a cumsum inside the one chosen block (C x 512, not C x V)."""
+    R, C, V = e.shape
+    nb = -(-V // CDF_BLOCK)
+    if nb * CDF_BLOCK != V:
+        e = torch.nn.functional.pad(e, (0, nb * CDF_BLOCK - V))
+    blocks = e.view(R, C, nb, CDF_BLOCK)
+    cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # (R, C, nb)
+    target = uniform.to(torch.float64) * cdf[..., -1]
+    bi = torch.searchsorted(cdf, target[..., None], right=True).clamp_(max=nb - 1)  # (R, C, 1)
+    before = torch.where(bi > 0, cdf.gather(-1, (bi - 1).clamp(min=0)), torch.zeros_like(target[..., None]))
+    inside = blocks.gather(2, bi[..., None].expand(R, C, 1, CDF_BLOCK))[:, :, 0].to(torch.float64).cumsum(-1) + before
+    j = torch.searchsorted(inside, target[..., None], right=True).clamp_(max=CDF_BLOCK - 1)
+    return (bi * CDF_BLOCK + j)[..., 0].clamp_(max=V - 1)
