@@ -1,0 +1,32 @@
+"""The diffusion benchmark at small scale on a CUDA device: HF generate() sequential and static,
+tandem exact and fast (block boundaries), at 1 and 2 concurrent requests, one block of 256
+tokens, 2 denoise steps. Checks that every target ran without errors; prints the table."""
+
+import json
+import socket
+import subprocess
+import sys
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_diffusion_benchmark_runs_on_gpu(tmp_path, shape_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "gateway.cli", "bench", "--mode", "diffusion", "--model", "shape-diffusiongemma",
+           "--device", "cuda", "--concurrency", "1,2", "--requests", "2", "--max-tokens", "256", "--steps", "2",
+           "--boundaries", "block", "--samplers", "exact,fast", "--port", str(_free_port()), "--out", str(out),
+           "--ready-timeout", "300"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    print(proc.stdout[-6000:])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"hf sequential", "hf static batch", "tandem exact block", "tandem fast block"}
+    for name, levels in results.items():
+        for c, r in levels.items():
+            assert r.get("skipped") or r["tokens_per_s"] > 0, (name, c, r)
+            assert not r.get("errors"), (name, c, r)
+    assert "device_peak_growth_per_row_mb" in results["hf sequential"]["1"]

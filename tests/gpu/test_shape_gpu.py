@@ -1,0 +1,109 @@
+"""The shape model (canvas 256, vocabulary 262,144) on a CUDA device, through the batcher
+(scheduler + runner + DiffusionGemma adapter), in both samplers:
+- exact: each sequence, sharing batches with others that join at other steps, gives exactly the
+  tokens HF ``generate()`` gives for it alone on the same device after the same seed;
+- fast: batch-invariant (a sequence's tokens do not depend on its batch mates);
+- memory: peak device memory grows by <= 1 GiB per row, and nothing stays behind.
+Run on a lent device: ``python -m pytest tests/gpu -q -rs -s`` (prints the memory figures).
+"""
+
+import pytest
+import torch
+
+from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
+from diffusion_plugin.request import SamplingParams, Sequence
+from diffusion_plugin.runner import Runner
+from diffusion_plugin.scheduler import Scheduler
+
+TEXTS = [
+    "Hello there",
+    "Tell me about the river and the sea, and the fishermen who mend their nets on the quay.",
+    "def add(a, b):",
+    "Numbers and dates appear everywhere: 1, 2, 3, 10, 42, 100, 256 " * 4,
+]
+ARRIVALS = {0: [0, 1], 2: [2], 5: [3]}  # step -> prompts arriving then (they join mid-block of the others)
+STEPS = 4  # denoise steps per block
+MAX_TOKENS = 300  # two blocks of 256 (a commit pass), truncated
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def adapter(shape_path):
+    return DiffusionGemmaAdapter(shape_path, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def prompts(adapter):
+    return [adapter.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False) for t in TEXTS]
+
+
+def _run(adapter, sampler: str, prompts: list, arrivals: dict, knobs: dict, max_batch: int = 4,
+         max_tokens: int = MAX_TOKENS, seed0: int = 100) -> tuple[dict, int, Runner]:
+    """Drive scheduler + runner like the engine's loop; returns (outputs by prompt index, widest batch, runner)."""
+    params = {**adapter.defaults(), "max_denoising_steps": STEPS, **knobs}
+    sched, runner = Scheduler(max_batch=max_batch, canvas_length=adapter.canvas_length), Runner(adapter, sampler=sampler)
+    seqs, widest, step = {}, 0, 0
+    while step <= max(arrivals) or sched.has_work():
+        for i in arrivals.get(step, []):
+            seq = Sequence(seq_id=f"s{i}", prompt_ids=prompts[i], params=SamplingParams(
+                max_tokens=max_tokens, seed=seed0 + i, eos_token_ids=adapter.eos_token_ids, **params))
+            seqs[seq.seq_id] = seq
+            sched.add(seq)
+        batch, _ = sched.schedule()
+        widest = max(widest, len(batch.denoise))
+        if not batch.empty():
+            sched.update(runner.execute(batch, seqs))
+        step += 1
+    return {int(k[1:]): s.output_ids for k, s in seqs.items()}, widest, runner
+
+
+def _reference(path: str, prompt: list[int], seed: int, knobs: dict, eos: tuple[int, ...],
+               max_tokens: int = MAX_TOKENS) -> list[int]:
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
+    torch.manual_seed(seed)  # seeds the CUDA generator generate() draws from
+    out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=max_tokens,
+                         max_denoising_steps=STEPS, **knobs).sequences[0, len(prompt):].tolist()
+    cut = next((i for i, t in enumerate(out) if t in eos), None)
+    return (out[:cut] if cut is not None else out)[:max_tokens]
+
+
+@pytest.mark.parametrize("knobs", [{}, {"t_min": 0.01, "t_max": 0.02}], ids=["default", "near-greedy"])
+def test_exact_equals_hf_generate_alone_on_gpu(adapter, prompts, shape_path, knobs):
+    outputs, widest, _ = _run(adapter, "exact", prompts, ARRIVALS, knobs)
+    assert widest >= 3, "the sequences must share batched forwards"
+    for i, prompt in enumerate(prompts):
+        want = _reference(shape_path, prompt, 100 + i, knobs, adapter.eos_token_ids)
+        assert outputs[i] == want, f"prompt {i} ({len(prompt)} tokens) differs from HF generate() on the GPU"
+
+
+def test_fast_is_batch_invariant_on_gpu(adapter, prompts):
+    together, widest, _ = _run(adapter, "fast", prompts, ARRIVALS, {})
+    assert widest >= 3
+    for i in (0, 3):  # the first arrival, and the last (it joins a batch already mid-block)
+        alone, _, _ = _run(adapter, "fast", prompts, {0: [i]}, {})
+        assert alone[i] == together[i], f"prompt {i}: its fast-mode tokens depend on its batch mates"
+        assert len(alone[i]) == MAX_TOKENS
+
+
+@pytest.mark.parametrize("sampler", ["exact", "fast"])
+def test_memory_per_row_on_gpu(adapter, prompts, sampler):
+    """Peak device memory of one block at 1 and at 4 rows (all admitted at once): <= 1 GiB per extra
+    row; held state between steps (beyond KV) a few MB per row; nothing left once they finish."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    peaks = {}
+    for rows in (1, 4):
+        torch.cuda.reset_peak_memory_stats()
+        _, widest, runner = _run(adapter, sampler, prompts, {0: list(range(rows))}, {}, max_tokens=256)
+        assert widest == rows
+        torch.cuda.synchronize()
+        peaks[rows] = torch.cuda.max_memory_allocated() - base
+        left = torch.cuda.memory_allocated() - base
+        assert left < 64 << 20, f"{left / 2**20:.0f} MiB still allocated after every sequence finished"
+    per_row = (peaks[4] - peaks[1]) / 3
+    print(f"\n{sampler}: device peak {peaks[1] / GIB:.2f} GiB at 1 row, {peaks[4] / GIB:.2f} GiB at 4 rows, "
+          f"{per_row / GIB:.3f} GiB per extra row")
+    assert per_row <= GIB, f"{sampler}: peak grows by {per_row / GIB:.2f} GiB per row (target <= 1 GiB)"
