@@ -17,6 +17,7 @@ from typing import Any
 from diffusion_plugin import params as P
 from diffusion_plugin.images import ImageLimits, extract_images, load_images
 from diffusion_plugin.loop import DiffusionLoop, SeqEvent
+from diffusion_plugin.memory import GIB, MemoryBudget, default_budget_bytes, host_available_bytes, step_transient_bytes
 from diffusion_plugin.request import FINISH_REASON, SamplingParams, SeqStatus, Sequence
 from gateway.errors import ErrorKind, TandemError, invalid
 from workers.protocol import DONE, EngineInfo, EngineStats, Item
@@ -34,6 +35,16 @@ class DiffusionEngine:
         self.row_boundaries = args.pop("boundaries", "block") == "row"
         self.dtype = args.pop("dtype", "float32")
         self.num_threads = args.pop("num_threads", None)
+        # "exact": bit-exact with generate() alone; "fast": batch-invariant, fused, not equal to HF.
+        self.sampler = args.pop("sampler", "exact")
+        if self.sampler not in ("exact", "fast"):
+            raise ValueError("engine_args.sampler: must be 'exact' or 'fast'")
+        # Bytes sequences may reserve (KV + per-row state); default: memory.SAFETY_FRACTION of the
+        # memory free once the weights are loaded (host MemAvailable, or the device's free
+        # memory), less the fixed vocab-wide transient of a step.
+        budget = args.pop("memory_budget_gib", None)
+        self.memory_budget_gib = float(budget) if budget is not None else None
+        self.device = args.pop("device", "cpu")
         self.image_limits = ImageLimits.from_engine_args(args)
         if args:
             raise ValueError(f"engine_args.{next(iter(args))}: not a diffusion engine argument")
@@ -47,14 +58,32 @@ class DiffusionEngine:
         from diffusion_plugin.runner import Runner
         from diffusion_plugin.scheduler import Scheduler
 
-        self.adapter = await asyncio.to_thread(DiffusionGemmaAdapter, self.source, self.dtype,
+        self.adapter = await asyncio.to_thread(DiffusionGemmaAdapter, self.source, self.dtype, device=self.device,
                                                num_threads=self.num_threads)
-        scheduler = Scheduler(self.max_batch, self.adapter.canvas_length, self.row_boundaries)
-        self.loop = DiffusionLoop(scheduler, Runner(self.adapter))
+        self.memory = self._budget()
+        scheduler = Scheduler(self.max_batch, self.adapter.canvas_length, self.row_boundaries, memory=self.memory)
+        self.loop = DiffusionLoop(scheduler, Runner(self.adapter, self.sampler, chunk_rows=self._chunk_rows()))
         self.loop.start()
         return EngineInfo(model=self.model, kind="diffusion", max_model_len=self.adapter.max_position,
                           extra={"canvas_length": self.adapter.canvas_length, "max_batch": self.max_batch,
                                  "boundaries": "row" if self.row_boundaries else "block"})
+
+    def _chunk_rows(self) -> int:
+        # CPU: one row at a time (a C x V matmul is already large); a GPU takes a few rows per pass.
+        return 1 if self.sampler == "exact" or str(self.device).startswith("cpu") else 4
+
+    def _budget(self) -> MemoryBudget:
+        shape = self.adapter.memory_shape()
+        if self.memory_budget_gib is not None:
+            return MemoryBudget(shape, int(self.memory_budget_gib * GIB))
+        if str(self.device).startswith("cuda"):
+            import torch
+
+            free = torch.cuda.mem_get_info(torch.device(self.device))[0]
+        else:
+            free = host_available_bytes()
+        transient = step_transient_bytes(shape, self.sampler, self._chunk_rows())
+        return MemoryBudget(shape, default_budget_bytes(free, transient))
 
     # -- requests -------------------------------------------------------------------------
     def chat(self, body: dict, request_id: str) -> AsyncIterator[Item]:
@@ -115,6 +144,21 @@ class DiffusionEngine:
             yield TandemError(ErrorKind.CONTEXT_TOO_LONG,
                               f"This model's maximum context length is {limit} tokens; the prompt has "
                               f"{len(prompt_ids)} and max_tokens is {max_tokens}.", field)
+            return
+        if not self.loop.scheduler.fits_alone(Sequence("probe", prompt_ids, SamplingParams(
+                max_tokens=max_tokens, seed=0, **{k: v for k, v in knobs.items() if k != "seed"}))):
+            field = "messages" if chat else "prompt"
+            longest = self.memory.max_prompt_tokens(max_tokens)
+            budget = self.memory.budget_bytes / GIB
+            if longest > 0:
+                msg = (f"{field}: the prompt ({len(prompt_ids)} tokens) with max_tokens {max_tokens} needs more than "
+                       f"this replica's memory budget ({budget:.2f} GiB); with that max_tokens the prompt may have "
+                       f"at most {longest} tokens")
+            else:
+                msg = (f"max_tokens: {max_tokens} needs more than this replica's memory budget ({budget:.2f} GiB) "
+                       f"even with an empty prompt")
+                field = "max_tokens"
+            yield TandemError(ErrorKind.CONTEXT_TOO_LONG, msg, field)
             return
         seed = knobs.pop("seed")
         seqs = [Sequence(seq_id=f"{request_id}-{i}", prompt_ids=list(prompt_ids),
@@ -202,7 +246,9 @@ class DiffusionEngine:
             "busy_s": self.loop.stats.busy_s, "errors": self.loop.stats.errors,
             "admitted": self.loop.stats.admitted, "admission_wait_sum_s": self.loop.stats.admission_wait_sum_s,
             "block_seconds": self.loop.stats.block_seconds, "active_batch": len(s.running),
-            "canvas_occupancy": len(s.running) / s.max_batch, **self.image_stats},
+            "canvas_occupancy": len(s.running) / s.max_batch, "sampler": self.sampler,
+            "memory_budget_bytes": self.memory.budget_bytes, "memory_reserved_bytes": s.reserved_bytes,
+            "waiting_for_memory": st.waiting_for_memory, **self.image_stats},
             progress=st.row_steps + st.encode_passes)
 
     async def shutdown(self) -> None:

@@ -160,14 +160,16 @@ class Runner:
         else:
             sampled, argmax, entropy, renoise, soft = self._exact(rows, hidden, steps_left)
         canvas = torch.cat([r.canvas for r in rows])
-        bounds = torch.tensor([r.seq.params.entropy_bound for r in rows], dtype=entropy.dtype).unsqueeze(-1)
+        bounds = torch.tensor([r.seq.params.entropy_bound for r in rows], dtype=entropy.dtype,
+                              device=entropy.device).unsqueeze(-1)
         # Entropy-bound acceptance (HF's expressions), all rows at once: sorts and cumsums are per row.
         sorted_entropy, sorted_idx = torch.sort(entropy, dim=-1, descending=False)
         selection = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= bounds
         accepted = torch.scatter(input=torch.zeros_like(selection), dim=-1, index=sorted_idx, src=selection)
         new_canvas = torch.where(~accepted, renoise, torch.where(accepted, sampled, canvas))
         # Compared as HF does: a float32 mean against the threshold as a float32 scalar.
-        thresholds = torch.tensor([r.seq.params.confidence_threshold for r in rows], dtype=entropy.dtype)
+        thresholds = torch.tensor([r.seq.params.confidence_threshold for r in rows], dtype=entropy.dtype,
+                                  device=entropy.device)
         confident = entropy.mean(-1) < thresholds
         decisions = torch.cat([argmax, confident[:, None].to(argmax.dtype)], dim=1).tolist()  # one host transfer
         outputs = []

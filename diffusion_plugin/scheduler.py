@@ -10,6 +10,11 @@ Each loop iteration is ``schedule()`` -> runner executes the ``StepBatch`` -> ``
   counted as ``row_steps_waiting``.
 - Row mode: a sequence that converged commits and starts its next block at the next step,
   and a waiting request is admitted as soon as a slot is free.
+- Memory (``memory.MemoryBudget``): each sequence reserves what it may hold at most (its KV
+  at prompt + max_tokens + canvas, its per-row state) from admission to retirement; the head
+  of the queue joins only if its reservation fits, and nobody overtakes it (FIFO: a long
+  prompt is not starved by short ones). A sequence that cannot fit even alone is refused
+  before it is queued (``fits_alone``, checked by the engine: a 400).
 Aborts are drained at the top of ``schedule()``, so a cancelled sequence never reaches
 another forward.
 """
@@ -20,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from diffusion_plugin.batch import StepBatch, StepOutput
+from diffusion_plugin.memory import MemoryBudget
 from diffusion_plugin.request import SeqStatus, Sequence
 
 
@@ -32,6 +38,7 @@ class SchedulerStats:
     tokens_committed: int = 0
     encode_passes: int = 0
     aborted: int = 0
+    waiting_for_memory: int = 0  # sequences queued behind a head that does not fit the budget now
 
 
 @dataclass
@@ -46,7 +53,8 @@ class Committed:
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, canvas_length: int, row_boundaries: bool = False):
+    def __init__(self, max_batch: int, canvas_length: int, row_boundaries: bool = False,
+                 memory: MemoryBudget | None = None):
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self.max_batch = max_batch
@@ -57,6 +65,22 @@ class Scheduler:
         self._aborts: list[tuple[str, SeqStatus]] = []
         self._to_free: list[str] = []
         self.stats = SchedulerStats()
+        self.memory = memory
+        self.reserved: dict[str, int] = {}  # bytes per running sequence
+
+    # -- memory -----------------------------------------------------------------------------
+    def need(self, seq: Sequence) -> int:
+        return self.memory.need(len(seq.prompt_ids), seq.params.max_tokens) if self.memory else 0
+
+    def fits_alone(self, seq: Sequence) -> bool:
+        return self.memory is None or self.need(seq) <= self.memory.budget_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(self.reserved.values())
+
+    def _fits_now(self, seq: Sequence) -> bool:
+        return self.memory is None or self.reserved_bytes + self.need(seq) <= self.memory.budget_bytes
 
     # -- requests in --------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -86,11 +110,18 @@ class Scheduler:
             for seq in self.running.values():
                 if seq.status is SeqStatus.BLOCK_DONE:
                     seq.status = SeqStatus.NEEDS_ENCODE
-            while self.waiting and len(self.running) < self.max_batch:
+            while self.waiting and not self.fits_alone(self.waiting[0]):  # the engine refuses these first
+                seq = self.waiting.popleft()
+                seq.status, seq.error = SeqStatus.FINISHED_ERROR, "the sequence does not fit the memory budget"
+                finished.append(Finished(seq))
+            while self.waiting and len(self.running) < self.max_batch and self._fits_now(self.waiting[0]):
                 seq = self.waiting.popleft()
                 seq.status = SeqStatus.NEEDS_ENCODE
                 self.running[seq.seq_id] = seq
+                self.reserved[seq.seq_id] = self.need(seq)
                 batch.admit.append(seq.seq_id)
+            blocked = bool(self.waiting) and len(self.running) < self.max_batch
+            self.stats.waiting_for_memory = len(self.waiting) if blocked else 0
         # 3. Encoder passes, then every sequence mid-block is a row of the decoder forward.
         for seq in self.running.values():
             if seq.status is SeqStatus.NEEDS_ENCODE:
@@ -154,6 +185,7 @@ class Scheduler:
     def _retire(self, seq: Sequence, status: SeqStatus) -> Finished:
         seq.status = status
         self.running.pop(seq.seq_id, None)
+        self.reserved.pop(seq.seq_id, None)
         self._to_free.append(seq.seq_id)
         return Finished(seq)
 
