@@ -9,6 +9,7 @@ the request body. Only the error shape is translated into tandem's taxonomy.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -108,6 +109,7 @@ class VllmEngine:
         self._llm = None
         self._state = None
         self._totals = _Totals()
+        self._aborted = 0  # requests cancelled before their end (client gone, timeout, shutdown)
 
     async def start(self) -> EngineInfo:
         from starlette.datastructures import State
@@ -166,6 +168,9 @@ class VllmEngine:
             # ValueError, so pydantic does not wrap it): a 400 like the rest, as vLLM's server says.
             request = request_cls.model_validate({**body, "request_id": request_id})
             result = await handle(request)
+        except asyncio.CancelledError:
+            self._aborted += 1  # vLLM aborts the request on cancellation
+            raise
         except ValidationError as e:
             yield _validation_error(e)
             return
@@ -184,6 +189,9 @@ class VllmEngine:
                 async for chunk in result:
                     streamed = True
                     yield chunk
+            except (asyncio.CancelledError, GeneratorExit):
+                self._aborted += 1  # the client went away mid-stream: vLLM aborts it on cancellation
+                raise
             except VLLMClientError as e:  # a request error found while streaming: its own answer, not a 500
                 err = _from_vllm_error(create_error_response(e))
                 yield err.sse() + DONE if streamed else err
@@ -202,7 +210,7 @@ class VllmEngine:
         if self._llm is None:
             return EngineStats(running=0)
         running = self._llm.output_processor.get_num_unfinished_requests()
-        extra = dict(self._totals.values)
+        extra = {**self._totals.values, "aborted": self._aborted}
         return EngineStats(running=running, waiting=extra.pop("waiting"), extra=extra,
                            progress=extra["prompt_tokens"] + extra["generation_tokens"])
 

@@ -102,7 +102,7 @@ def stack(tmp_path_factory) -> Stack:
                 pass
             if time.monotonic() > deadline:
                 pytest.fail(f"tandem did not become ready in {READY_TIMEOUT_S:.0f} s:\n{s.log_tail()}")
-            time.sleep(1)
+            time.sleep(1)  # a poll interval of the wait above (deadline, loud failure)
         yield s
     finally:
         _stop(proc)

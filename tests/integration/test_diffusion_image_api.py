@@ -7,13 +7,14 @@ image metrics are exported; an autoregressive model without vision input refuses
 import base64
 import concurrent.futures as cf
 import io
-import time
 
 import httpx
 import numpy as np
 import openai
 import pytest
 from PIL import Image
+
+from tests.waiting import wait_for
 
 MODEL = "tiny-diffusiongemma"
 
@@ -95,10 +96,8 @@ def _metric(stack, name: str) -> float:
 def test_image_metrics_are_exported(stack):
     before = _metric(stack, "tandem_diffusion_images_total")
     _ask(stack, _url(_png(7)), _url(_png(8)))
-    deadline = time.monotonic() + 10  # the gateway polls engine stats every 2 s
-    while _metric(stack, "tandem_diffusion_images_total") < before + 2:
-        assert time.monotonic() < deadline, "image count not exported"
-        time.sleep(0.5)
+    # the gateway polls engine stats every 2 s
+    wait_for(lambda: _metric(stack, "tandem_diffusion_images_total") >= before + 2, "the image count exported")
     assert _metric(stack, "tandem_diffusion_image_requests_total") >= 1
     assert _metric(stack, "tandem_diffusion_image_encode_seconds_total") > 0
 

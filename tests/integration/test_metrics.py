@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from tests.unit.gateway_server import free_port
+from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "tandem-dashboard.json"
@@ -59,7 +60,7 @@ def prometheus(stack, tmp_path_factory):
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, (tmp / "log").read_text()[-2000:]
-            time.sleep(0.5)
+            time.sleep(0.5)  # a poll interval of the wait above (deadline, loud failure)
         yield url
     finally:
         proc.terminate()
@@ -99,14 +100,11 @@ def test_counters_match_the_responses(stack):
                 - _value(before, "tandem_time_to_first_token_seconds_count", model=model))
         assert ttft == n // 2  # the streamed half
     # vLLM's own token counters (through the gateway's replica poll) saw at least these tokens.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        gen = _value(_metrics(stack), "tandem_engine_generation_tokens_total", model="tiny-llama") \
-            - _value(before, "tandem_engine_generation_tokens_total", model="tiny-llama")
-        if gen >= usage["tiny-llama"][1]:
-            break
-        time.sleep(0.5)
-    assert gen >= usage["tiny-llama"][1]
+    def generated() -> float:
+        return (_value(_metrics(stack), "tandem_engine_generation_tokens_total", model="tiny-llama")
+                - _value(before, "tandem_engine_generation_tokens_total", model="tiny-llama"))
+
+    wait_for(lambda: generated() >= usage["tiny-llama"][1], "vLLM's generation-token counter to reach the responses'")
 
 
 def test_unknown_models_and_random_paths_do_not_grow_the_series(stack):
@@ -141,16 +139,28 @@ def test_every_dashboard_expression_returns_data(stack, prometheus):
                       json={"model": "tiny-diffusiongemma", "messages": [{"role": "user", "content": "x"}],
                             "stream": True, "max_tokens": 64, "diffusion": {"max_denoising_steps": 300}}) as r:
         next(r.iter_lines())
-    time.sleep(4)
     _load(stack)
-    time.sleep(3)
-    empty = []
-    for expr in exprs:
-        r = httpx.get(prometheus + "/api/v1/query", params={"query": expr}, timeout=10).json()
-        assert r["status"] == "success", (expr, r)
-        if not r["data"]["result"]:
-            empty.append(expr)
-    assert not empty, f"{len(empty)} dashboard expressions returned no data: {empty}"
+
+    def empty_expressions() -> list[str]:
+        empty = []
+        for expr in exprs:
+            r = httpx.get(prometheus + "/api/v1/query", params={"query": expr}, timeout=10).json()
+            assert r["status"] == "success", (expr, r)
+            if not r["data"]["result"]:
+                empty.append(expr)
+        return empty
+
+    # Prometheus scrapes every second; a rate needs two scrapes of a series: wait for them.
+    last = {"empty": exprs}
+
+    def all_have_data() -> bool:
+        last["empty"] = empty_expressions()
+        return not last["empty"]
+
+    try:
+        wait_for(all_have_data, "every dashboard expression to return data", timeout=120, interval=1)
+    except AssertionError:
+        raise AssertionError(f"{len(last['empty'])} dashboard expressions returned no data: {last['empty']}") from None
     # The series are per configured model and per replica, never per request.
     r = httpx.get(prometheus + "/api/v1/query", params={"query": "count by (model) (tandem_requests_total)"}).json()
     assert {s["metric"]["model"] for s in r["data"]["result"]} == {"tiny-llama", "tiny-diffusiongemma", "other"}

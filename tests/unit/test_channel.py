@@ -26,7 +26,7 @@ def test_requests_share_one_stream_and_text_is_joined():
         outbox, batches = Outbox(), []
         outbox.start("a", _gen(["a1", "a2", DONE]))
         outbox.start("b", _gen([{"id": "b"}]))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # the loop runs every ready task before it sleeps (no I/O): deterministic
         stream = outbox.stream()
         batches.append(await anext(stream))
         outbox.close()
@@ -46,7 +46,7 @@ def test_demux_routes_each_request_its_own_items_in_order():
         gate = asyncio.Event()
         outbox.start("a", _gen(["x", "y", DONE], gate))
         outbox.start("b", _gen(["p", "q", DONE]))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # the loop runs every ready task before it sleeps (no I/O): deterministic
         gate.set()
         a = [i async for i in items_of(qa)]
         b = [i async for i in items_of(qb)]

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from tests.unit.gateway_server import fake_gateway
+from tests.waiting import wait_for
 
 KEY, OTHER_KEY, WRONG = "sk-tandem-test-0123456789", "sk-tandem-other-9876543210", "sk-wrong-000000000000"
 MSG = [{"role": "user", "content": "hi"}]
@@ -70,6 +71,8 @@ def test_rate_limit_is_per_key_429_with_retry_after_then_recovers(secured):
         limited.chat.completions.create(model="fake", messages=MSG)
     # the other key is not affected
     assert _client(url, KEY).chat.completions.create(model="fake", messages=MSG).choices
+    # Not a synchronisation point: the bucket refills with time itself, so waiting out Retry-After is
+    # the behaviour under test (no condition to poll but the clock).
     time.sleep(int(r.headers["retry-after"]) + 0.2)
     assert limited.chat.completions.create(model="fake", messages=MSG).choices[0].message.content
 
@@ -107,20 +110,16 @@ def test_oversized_body_is_413_and_the_server_keeps_serving(secured):
 def test_request_timeout_504_and_an_error_event_in_a_stream():
     extra = {"limits": {"request_timeout_s": 0.5}}
     with fake_gateway({"num_tokens": 100, "token_delay_s": 0.05}, extra=extra) as (url, service, dep):
-        t0 = time.monotonic()
         r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "x"}, timeout=10)
-        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
-        assert time.monotonic() - t0 < 2
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"  # not the 5 s answer
         assert r.headers["x-request-id"] in r.json()["error"]["message"]  # a 5xx names the request id
         with httpx.stream("POST", url + "/v1/chat/completions", timeout=10,
                           json={"model": "fake", "messages": MSG, "stream": True}) as s:
             lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
         assert lines[-1] == "data: [DONE]" and "timeout_error" in lines[-2] and 1 < len(lines) < 50
         engine = next(iter(dep.engines.values()))
-        deadline = time.monotonic() + 2
-        while engine.running and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not engine.running and len(engine.aborted) == 2  # aborted in the engine, not left running
+        # aborted in the engine, not left running
+        wait_for(lambda: not engine.running and len(engine.aborted) == 2, "both requests to be aborted in the engine")
 
 
 def test_a_500_carries_the_request_id_and_no_internals():

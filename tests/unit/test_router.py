@@ -149,7 +149,7 @@ def test_full_replicas_queue_fifo_then_429_with_retry_after():
         first = await pool.acquire()
         w1 = asyncio.create_task(pool.acquire())
         w2 = asyncio.create_task(pool.acquire())
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one loop turn: the new tasks run to their first await (no I/O: deterministic)
         assert pool.queued == 2
         with pytest.raises(TandemError) as e:
             await pool.acquire()
@@ -178,9 +178,9 @@ def test_a_cancelled_waiter_gives_its_slot_on():
         first = await pool.acquire()
         gone = asyncio.create_task(pool.acquire())
         kept = asyncio.create_task(pool.acquire())
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one loop turn: the new tasks run to their first await (no I/O: deterministic)
         gone.cancel()
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one loop turn: the new tasks run to their first await (no I/O: deterministic)
         pool.release(first)
         s = await asyncio.wait_for(kept, 1)
         assert s.replica is first.replica and s.replica.outstanding == 1
@@ -202,7 +202,7 @@ def test_queued_requests_get_503_when_the_last_replica_fails():
         pool = _full_pool()
         await pool.acquire()
         waiter = asyncio.create_task(pool.acquire())
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one loop turn: the new tasks run to their first await (no I/O: deterministic)
         pool.replicas[0].state = ReplicaState.RESTARTING
         pool.fail_waiters_if_no_replica()
         with pytest.raises(TandemError) as e:
