@@ -462,8 +462,16 @@ def main(args) -> int:
                 results.setdefault(BASELINE, {}).update(seq)
                 results.setdefault("hf static batch", {}).update(static)
             for s, b in targets:
-                results.setdefault(f"tandem {s} {b}", {}).update(
-                    run_tandem(args, name, model_path, work, group, s, b, max_batch))
+                try:
+                    res = run_tandem(args, name, model_path, work, group, s, b, max_batch)
+                except (RuntimeError, httpx.HTTPError, TimeoutError, StopIteration) as e:
+                    # One target failing (an engine argument it does not take, a level past its
+                    # time) must not cost the rest of a long run.
+                    log_path = work / f"tandem-{s}-{b}.log"
+                    tail = log_path.read_text()[-1500:] if log_path.exists() else ""
+                    logger.error("tandem %s %s failed: %s\n%s", s, b, e, tail)
+                    res = {c: {"skipped": f"failed: {type(e).__name__}: {str(e)[:160]}"} for c in group}
+                results.setdefault(f"tandem {s} {b}", {}).update(res)
     steps = f"{args.steps} denoise steps" if args.steps else "the model's default diffusion settings"
     print(f"\nstreaming chat, {name}, {args.max_tokens} output tokens/request, {steps}, max_batch {max_batch}, "
           f"one torch thread per engine; {time.time() - t_start:.0f} s\n")
