@@ -144,6 +144,37 @@ class RssSampler:
         return sum(self.samples) / len(self.samples) if self.samples else float("nan")
 
 
+class EngineSampler(RssSampler):
+    """The engine's memory figures while a level runs (GET /admin/replicas every ``period`` s): the
+    most reserved per running sequence, and the most sequences waiting for memory at once."""
+
+    def __init__(self, url: str, model: str, period: float = 2.0):
+        super().__init__(0, period)
+        self.url, self.model = url, model
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=10) as client:
+            while not self._stop.is_set():
+                try:
+                    rows = client.get(self.url + "/admin/replicas").json()["replicas"]
+                    engine = next(r["engine"] for r in rows if r["model"] == self.model and "engine" in r)
+                    self.samples.append(engine)
+                except (httpx.HTTPError, StopIteration, KeyError, ValueError):
+                    pass
+                self._stop.wait(self.period)
+
+    def summary(self) -> dict:
+        per_row = [e["memory_reserved_bytes"] / e["running"] for e in self.samples
+                   if e.get("memory_reserved_bytes") and e.get("running")]
+        waiting = [e["waiting_for_memory"] for e in self.samples if "waiting_for_memory" in e]
+        out = {}
+        if per_row:
+            out["reserved_per_row_mb"] = max(per_row) / MB
+        if waiting:
+            out["waiting_for_memory_max"] = max(waiting)
+        return out
+
+
 def memory_per_row(before_rss: int, peak: int, mean_rss: float, rows: int) -> dict:
     rows = max(rows, 1)
     return {"rss_before_mb": before_rss / MB, "peak_growth_per_row_mb": max(0, peak - before_rss) / rows / MB,
@@ -227,7 +258,7 @@ def run_tandem(args, name: str, model_path: str, workdir: Path, levels: list[int
             rss0 = proc_mem(pid).get("VmRSS", 0)
             reset_peak(pid)
             t0 = time.perf_counter()
-            with RssSampler(pid) as rss:
+            with RssSampler(pid) as rss, EngineSampler(url, name) as engine:
                 res = asyncio.run(run_level(url, bodies(name, n, args.max_tokens, c, args.steps), c,
                                             timeout_s=args.level_timeout))
             wall = time.perf_counter() - t0
@@ -248,7 +279,7 @@ def run_tandem(args, name: str, model_path: str, workdir: Path, levels: list[int
                 / max(_delta(after, before, "admitted"), 1),
                 "cpu_ms_per_token": 1000 * cpu / tokens, "replica_cpu_ms_per_token": 1000 * rcpu / tokens,
                 **memory_per_row(rss0, peak, rss.mean, min(c, max_batch)),
-                "engine_memory": _memory_stats(after),
+                **engine.summary(), "engine_memory": _memory_stats(after),
             }
             logger.info("tandem %s c=%d: %.2f tok/s, %.2f s/step, %.0f CPU ms/token, %d errors", tag, c,
                         res.output_tokens_per_s, out[c]["s_per_step"], out[c]["cpu_ms_per_token"], res.errors)
@@ -387,6 +418,8 @@ COLUMNS = [
     ("peak RSS growth/row MB", "peak_growth_per_row_mb", "{:.0f}"),
     ("mean RSS growth/row MB", "mean_growth_per_row_mb", "{:.0f}"),
     ("device peak growth/row MB", "device_peak_growth_per_row_mb", "{:.0f}"),
+    ("engine reservation/row MB", "reserved_per_row_mb", "{:.0f}"),
+    ("waiting for memory (max)", "waiting_for_memory_max", "{:d}"),
     ("latency p50 ms", "latency_p50_ms", "{:.0f}"),
     ("1st block p50 ms", "first_block_p50_ms", "{:.0f}"),
     ("admission wait mean ms", "admission_wait_mean_ms", "{:.0f}"),

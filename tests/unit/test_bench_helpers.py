@@ -135,3 +135,15 @@ def test_diffusion_table_has_ratios_to_hf_sequential_and_skips():
     assert "| 1 | CPU per token / HF sequential | 1.00x | - | 0.25x |" in table
     assert "| 1 | outside forwards | - | - | 25.0% |" in table
     assert "hf static batch: needs ~9.0 GiB" in table
+
+
+def test_engine_sampler_summarises_reservations_per_row():
+    from gateway.bench_diffusion import MB, EngineSampler
+
+    s = EngineSampler("http://127.0.0.1:9", "m")
+    s.samples = [{"running": 2, "memory_reserved_bytes": 100 * MB, "waiting_for_memory": 3},
+                 {"running": 0, "memory_reserved_bytes": 0, "waiting_for_memory": 0},
+                 {"running": 4, "memory_reserved_bytes": 160 * MB, "waiting_for_memory": 1}]
+    assert s.summary() == {"reserved_per_row_mb": 50, "waiting_for_memory_max": 3}
+    s.samples = [{"running": 1}]  # an engine without memory figures
+    assert s.summary() == {}
