@@ -9,7 +9,6 @@ the request body. Only the error shape is translated into tandem's taxonomy.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -109,7 +108,8 @@ class VllmEngine:
         self._llm = None
         self._state = None
         self._totals = _Totals()
-        self._aborted = 0  # requests cancelled before their end (client gone, timeout, shutdown)
+        self._active: set[str] = set()  # requests being served (for abort's answer and count)
+        self._aborted = 0  # requests aborted before their end (client gone, timeout)
 
     async def start(self) -> EngineInfo:
         from starlette.datastructures import State
@@ -163,43 +163,45 @@ class VllmEngine:
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
         from vllm.exceptions import VLLMClientError
 
+        self._active.add(request_id)
         try:
-            # vLLM's request models raise its own VLLMValidationError from validators (not a
-            # ValueError, so pydantic does not wrap it): a 400 like the rest, as vLLM's server says.
-            request = request_cls.model_validate({**body, "request_id": request_id})
-            result = await handle(request)
-        except asyncio.CancelledError:
-            self._aborted += 1  # vLLM aborts the request on cancellation
-            raise
-        except ValidationError as e:
-            yield _validation_error(e)
-            return
-        except Exception as e:  # noqa: BLE001 - vLLM raises some request errors; map them as its server does
-            result = create_error_response(e)
-        if isinstance(result, ErrorResponse):
-            err = _from_vllm_error(result)
-            if err.kind is ErrorKind.CONTEXT_TOO_LONG:
-                err = TandemError(err.kind, err.message, prompt_field)
-            yield err
-        elif isinstance(result, BaseModel):
-            yield result.model_dump(mode="json")
-        else:
-            streamed = False
             try:
-                async for chunk in result:
-                    streamed = True
-                    yield chunk
-            except (asyncio.CancelledError, GeneratorExit):
-                self._aborted += 1  # the client went away mid-stream: vLLM aborts it on cancellation
-                raise
-            except VLLMClientError as e:  # a request error found while streaming: its own answer, not a 500
-                err = _from_vllm_error(create_error_response(e))
-                yield err.sse() + DONE if streamed else err
+                # vLLM's request models raise its own VLLMValidationError from validators (not a
+                # ValueError, so pydantic does not wrap it): a 400 like the rest, as vLLM's server says.
+                request = request_cls.model_validate({**body, "request_id": request_id})
+                result = await handle(request)
+            except ValidationError as e:
+                yield _validation_error(e)
+                return
+            except Exception as e:  # noqa: BLE001 - vLLM raises some request errors; map them as its server does
+                result = create_error_response(e)
+            if isinstance(result, ErrorResponse):
+                err = _from_vllm_error(result)
+                if err.kind is ErrorKind.CONTEXT_TOO_LONG:
+                    err = TandemError(err.kind, err.message, prompt_field)
+                yield err
+            elif isinstance(result, BaseModel):
+                yield result.model_dump(mode="json")
+            else:
+                streamed = False
+                try:
+                    async for chunk in result:
+                        streamed = True
+                        yield chunk
+                except VLLMClientError as e:  # a request error found while streaming: its own answer, not a 500
+                    err = _from_vllm_error(create_error_response(e))
+                    yield err.sse() + DONE if streamed else err
+        finally:
+            self._active.discard(request_id)
 
     async def abort(self, request_id: str) -> bool:
-        # Requests are aborted by cancelling their iterator (vLLM aborts on CancelledError);
-        # the actor shell owns those tasks. Nothing engine-specific is needed here.
-        return False
+        # Requests are aborted by cancelling their iterator (vLLM aborts on CancelledError; its
+        # non-streaming path turns that into an error response): the actor shell cancels it right
+        # after this call. Here it is only answered and counted.
+        if request_id not in self._active:
+            return False
+        self._aborted += 1
+        return True
 
     async def check_health(self) -> None:
         if self._llm is None:
