@@ -81,9 +81,15 @@ def test_requests_spread_over_replicas():
         def one(_):
             return httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "p"}, timeout=10).status_code
 
+        for e in dep.engines.values():
+            e.stall = True  # held: all four are in flight together, however slowly they are sent
         with cf.ThreadPoolExecutor(4) as ex:
-            assert list(ex.map(one, range(4))) == [200] * 4
-        served = {rid: len(e.served) for rid, e in dep.engines.items()}
+            futures = [ex.submit(one, i) for i in range(4)]
+            wait_for(lambda: sum(len(e.running) for e in dep.engines.values()) == 4, "all four in the engines")
+            served = {rid: len(e.served) for rid, e in dep.engines.items()}
+            for e in dep.engines.values():
+                e.stall = False
+            assert [f.result() for f in futures] == [200] * 4
         assert sorted(served.values()) == [2, 2], served  # least outstanding spreads them evenly
         assert all(r.outstanding == 0 for r in service.router.all_replicas())
 
