@@ -1,12 +1,9 @@
-"""Row-wise attention for batched decoder forwards over sequences of different lengths.
+"""Attention for batched passes over sequences of different lengths.
 
-Padded SDPA over rows of different cache lengths drifts by ~1e-6 in the logits on padded rows,
-enough to flip a near-tie. Instead each row attends over its own valid keys only, with the very
-SDPA call a lone sequence makes, so a row's logits do not depend on its batch mates. The runner
-sets ``ROWS`` (valid key counts per layer, keys left-padded) around a batched decoder forward;
-outside it (encoder passes) this is plain SDPA. That per-row loop is the exact mode's only.
+Encoder passes (``ENCODE``, fast mode's batched prefills and commits): each row's new K/V go
+to its own cache and each row attends with the very SDPA call and mask a lone sequence makes.
 
-The fast mode (``FAST``) makes ONE call per decoder layer for the whole batch: the decoder sees
+Decoder passes in fast mode (``FAST``): ONE call per layer for the whole batch. The decoder sees
 only the canvas keys (an empty cache view), and each row's context K/V comes from a right-padded
 view whose length is a multiple of ``ATTN_BLOCK``. Attention runs blockwise with an online
 softmax: the canvas block first, then the context blocks. Padded SDPA is not batch-invariant
@@ -14,6 +11,8 @@ softmax: the canvas block first, then the context blocks. Padded SDPA is not bat
 row's blocks are laid out by its own length only, and the blocks beyond it are fully masked,
 which adds exact zeros: a row's attention output does not depend on its batch mates.
 (On a GPU a varlen kernel reading a paged cache in place is the better answer.)
+
+Outside both (the exact mode's per-row passes) this is plain SDPA, as in generate().
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from contextvars import ContextVar
 import torch
 
 ATTN_NAME = "tandem_rowwise"
-ROWS: ContextVar[dict[int, list[int]] | None] = ContextVar("tandem_rows", default=None)
 # Batched encoder passes: per row, its own K/V (written to its own cache) and its own mask.
 ENCODE: ContextVar[EncodeSpec | None] = ContextVar("tandem_encode", default=None)
 FAST: ContextVar[FastSpec | None] = ContextVar("tandem_fast", default=None)
@@ -63,10 +61,12 @@ class EncodeCacheView:
             cache.update(key_states[b:b + 1, :, total - n:], value_states[b:b + 1, :, total - n:], layer_idx)
             for b, (cache, n) in enumerate(zip(self.spec.caches, self.spec.lengths, strict=True))]
         return key_states, value_states
+
+
 _registered = False
 
 
-def rowwise_attention(module, query, key, value, attention_mask, **kwargs):
+def tandem_attention(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     enc = ENCODE.get()
@@ -84,15 +84,9 @@ def rowwise_attention(module, query, key, value, attention_mask, **kwargs):
         KERNEL_CALLS[0] += 1
         k, v = fast.kv[module.layer_idx]
         return blocked_attention(query, key, value, k, v, fast.valid[module.layer_idx], module.scaling), None
-    spec = ROWS.get()
-    if spec is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    lengths = spec[module.layer_idx]
-    KERNEL_CALLS[0] += len(lengths)
-    total = key.shape[2]
-    outs = [sdpa_attention_forward(module, query[b:b + 1], key[b:b + 1, :, total - n:], value[b:b + 1, :, total - n:],
-                                   None, **kwargs)[0] for b, n in enumerate(lengths)]
-    return torch.cat(outs, dim=0), None
+    if not module.is_causal:  # a decoder pass (exact mode: one row)
+        KERNEL_CALLS[0] += 1
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def blocked_attention(query, canvas_k, canvas_v, ctx_k, ctx_v, valid, scaling):
@@ -128,7 +122,7 @@ def register() -> None:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-        AttentionInterface.register(ATTN_NAME, rowwise_attention)
+        AttentionInterface.register(ATTN_NAME, tandem_attention)
         # Encoder passes must get exactly the masks SDPA gets (mask creation is chosen by name).
         AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
         _registered = True

@@ -4,15 +4,17 @@ Per sequence: its own KV cache (prompt + committed blocks), canvas, self-conditi
 embedding (canvas x hidden: nothing vocab-sized is held between steps), stability history,
 random generator (exact mode), freed when it leaves. Nothing is preallocated per ``max_batch``.
 Per step:
-1. ONE batched encoder pass (prefills and commits, each row with its own mask into its cache);
-2. ONE batched decoder forward (the trunk) over every row being denoised -> hidden states;
+1. the encoder passes (prefills and commits, each row with its own mask into its cache): one
+   batched pass in fast mode, row by row in exact mode;
+2. the decoder trunk over every row being denoised -> hidden states (fast: ONE batched forward,
+   one attention call per layer; exact: row by row, see ``_trunk``);
 3. the vocab-wide head and sampler over ``chunk_rows`` rows at a time (``diffusiongemma_vocab``),
    so its transient peak does not grow with the batch; random draws just in time;
 4. entropy-bound acceptance for all rows at once, and ONE host transfer of every row's
    decisions (argmax canvas, confidence).
 
-``sampler="exact"`` reproduces ``generate()`` run alone bit for bit (per-row attention kernels
-and per-row vocab work with HF's shapes: exact mode only). ``sampler="fast"``: one attention
+``sampler="exact"`` reproduces ``generate()`` run alone bit for bit (per-row encoder, trunk and
+vocab work with HF's shapes: exact mode only). ``sampler="fast"``: one attention
 call per layer, fused vocab work, hash-based draws; batch-invariant, not equal to HF.
 """
 
@@ -23,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from diffusion_plugin.attention import FAST, ROWS
+from diffusion_plugin.attention import FAST
 from diffusion_plugin.batch import RowOutput, StepBatch, StepOutput
 from diffusion_plugin.families import diffusiongemma_vocab as vocab
-from diffusion_plugin.kv_view import ExactViews, FastViews
+from diffusion_plugin.kv_view import FastViews
 from diffusion_plugin.request import Sequence
 
 SAMPLERS = ("exact", "fast")
@@ -50,15 +52,14 @@ class _Row:
 
 
 class Runner:
-    def __init__(self, adapter, sampler: str = "exact", chunk_rows: int = 1, per_row_trunk: bool = True):
+    def __init__(self, adapter, sampler: str = "exact", chunk_rows: int = 1):
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}")
         self.adapter = adapter
         self.sampler = sampler
         self.chunk_rows = max(1, int(chunk_rows)) if sampler == "fast" else 1  # exact: HF's (1, C, V)
-        self.per_row_trunk = per_row_trunk
         self.rows: dict[str, _Row] = {}
-        self._views = FastViews() if sampler == "fast" else ExactViews(adapter.canvas_length)
+        self._views = FastViews()  # fast mode only
 
     def admit(self, seq: Sequence) -> None:
         gen = torch.Generator(device=self.adapter.device).manual_seed(seq.params.seed)
@@ -97,7 +98,7 @@ class Runner:
             t = time.perf_counter()
             # Exact mode encodes row by row (as generate() alone): batched GEMMs are not
             # row-invariant on every BLAS, and the encoder is a small share of a step.
-            groups = [[r] for r in encoding] if self.sampler == "exact" and self.per_row_trunk else [encoding]
+            groups = [[r] for r in encoding] if self.sampler == "exact" else [encoding]
             for group in groups:
                 images = [r.images for r in group]
                 self.adapter.encode([r.cache for r in group], [r.pending for r in group], [r.cur_len for r in group],
@@ -127,24 +128,20 @@ class Runner:
         canvas = torch.cat([r.canvas for r in rows])
         positions = torch.stack([torch.arange(r.cur_len, r.cur_len + C, dtype=torch.int32) for r in rows])
         soft = self._soft(rows)
-        ids, versions, caches = [r.seq.seq_id for r in rows], [r.version for r in rows], [r.cache for r in rows]
-        if self.sampler == "exact" and self.per_row_trunk:
+        if self.sampler == "exact":
             # Exact mode only: each row alone through the decoder over its own cache, exactly
-            # generate()'s call, where batched GEMMs are not row-invariant (BLAS-dependent).
+            # generate()'s call. Batched GEMMs are not row-invariant on every BLAS (on this box
+            # a batched trunk or encoder pass moved logits by ~1e-6 and flipped samples), and
+            # at the real shape the trunk is a small share of a step.
             return torch.cat([self.adapter.decode_hidden(canvas[b:b + 1], r.cache, positions[b:b + 1],
                                                          None if soft is None else soft[b:b + 1])
                               for b, r in enumerate(rows)])
-        if self.sampler == "fast":
-            view, spec = self._views.get(ids, versions, caches)
-            var, value = FAST, spec
-        else:
-            view, lengths = self._views.get(ids, versions, caches)
-            var, value = ROWS, lengths
-        token = var.set(value)
+        view, spec = self._views.get([r.seq.seq_id for r in rows], [r.version for r in rows], [r.cache for r in rows])
+        token = FAST.set(spec)
         try:
             return self.adapter.decode_hidden(canvas, view, positions.to(canvas.device), soft)
         finally:
-            var.reset(token)
+            FAST.reset(token)
 
     def _soft(self, rows: list[_Row]) -> torch.Tensor | None:
         if all(r.soft is None for r in rows):
