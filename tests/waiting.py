@@ -20,23 +20,24 @@ def wait_for(cond: Callable[[], Any], what: str, timeout: float = DEFAULT_TIMEOU
     """Poll ``cond`` until it is truthy; return the seconds it took. Raises AssertionError naming
     ``what`` (and the last value) after ``timeout`` seconds."""
     t0 = time.monotonic()
-    while True:
-        value = cond()
-        if value:
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for: {what} (last value: {value!r})")
+    while not _done(cond, t0, what, timeout):
         time.sleep(interval)  # a poll interval, not a synchronisation point
+    return time.monotonic() - t0
 
 
 async def async_wait_for(cond: Callable[[], Any], what: str, timeout: float = DEFAULT_TIMEOUT_S,
                          interval: float = 0.02) -> float:
     """``wait_for`` inside an event loop (``cond`` is a plain, quick callable)."""
     t0 = time.monotonic()
-    while True:
-        value = cond()
-        if value:
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for: {what} (last value: {value!r})")
+    while not _done(cond, t0, what, timeout):
         await asyncio.sleep(interval)  # a poll interval, not a synchronisation point
+    return time.monotonic() - t0
+
+
+def _done(cond: Callable[[], Any], t0: float, what: str, timeout: float) -> bool:
+    value = cond()
+    if value:
+        return True
+    if time.monotonic() - t0 > timeout:
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for: {what} (last value: {value!r})")
+    return False

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from gateway.replicas import ReplicaState
-from tests.unit.gateway_server import complete_outcome, fake_gateway, stream_outcome
+from tests.unit.gateway_server import HeldStreams, complete_outcome, fake_gateway, stream_outcome
 from tests.waiting import wait_for
 
 TOKENS = 20
@@ -75,31 +75,9 @@ def _retries(service) -> float:
     return service.metrics.retries.labels("fake")._value.get()
 
 
-class Held:
-    """Streams under way, the victim's held: started, each past its first token (it knows its
-    replica), then the victim held (no token, no finishing; health checks pass). ``held`` of its
-    streams can no longer finish; its others (a slow box) finished before the hold and have
-    reached their clients. Nothing here depends on timing."""
-
-    def __init__(self, ex, url, service, control, victim, pid: int, n: int):
-        first = [threading.Event() for _ in range(n)]
-        served = [{} for _ in range(n)]
-        self.futures = [ex.submit(stream_outcome, url, TOKENS, timeout=120, first_token=e, served=s)
-                        for e, s in zip(first, served, strict=True)]
-        _wait_for(lambda: all(e.is_set() for e in first), 60, "every stream to receive its first token")
-        control.write_text(json.dumps({str(pid): "stall"}))
-        self.held = _engine_running(service, victim)
-        self.on_victim = [i for i, s in enumerate(served) if s["replica"] == victim.id]
-        done_first = len(self.on_victim) - self.held
-        _wait_for(lambda: sum(self.futures[i].done() for i in self.on_victim) == done_first, 60,
-                  "the victim's finished streams to reach their clients")
-
-    def check(self) -> None:
-        """Held streams end with an error event then [DONE]; every other stream completes."""
-        results = [f.result(timeout=120) for f in self.futures]
-        mine = sorted(results[i] for i in self.on_victim)
-        assert mine == ["error"] * self.held + ["ok"] * (len(mine) - self.held), results
-        assert all(r == "ok" for i, r in enumerate(results) if i not in self.on_victim), results
+def _held(ex, url, service, control, victim, pid: int, n: int) -> HeldStreams:
+    return HeldStreams(ex, url, victim.id, lambda: control.write_text(json.dumps({str(pid): "stall"})),
+                       lambda: _engine_running(service, victim), n, TOKENS)
 
 
 def test_actor_killed_mid_stream(gw):
@@ -111,7 +89,7 @@ def test_actor_killed_mid_stream(gw):
     before = _describe(service, victim)
     restarts, retries = victim.restarts, _retries(service)
     with cf.ThreadPoolExecutor(12) as ex:
-        streams = Held(ex, url, service, control, victim, before["pid"], 6)
+        streams = _held(ex, url, service, control, victim, before["pid"], 6)
         plain = [ex.submit(complete_outcome, url, TOKENS) for _ in range(4)]
         # those on the survivor finish; those on the victim are held, unanswered
         _wait_for(lambda: sum(f.done() for f in plain) + _engine_running(service, victim) - streams.held == 4, 60,
@@ -137,7 +115,7 @@ def test_failing_engine_in_an_actor(gw, fault):
     before = _describe(service, victim)
     restarts = victim.restarts
     with cf.ThreadPoolExecutor(8) as ex:
-        streams = Held(ex, url, service, control, victim, before["pid"], 6)
+        streams = _held(ex, url, service, control, victim, before["pid"], 6)
         control.write_text(json.dumps({str(before["pid"]): fault}))
         out_after = _wait_for(lambda: victim.state is not ReplicaState.HEALTHY or victim.restarts > restarts, 60,
                               "the failing replica to leave the rotation")

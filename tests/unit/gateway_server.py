@@ -93,3 +93,30 @@ def complete_outcome(url: str, num_tokens: int, model: str = "fake", timeout: fl
         text = r.json()["choices"][0]["text"]
         return "ok" if text.split() == [f"tok{i}" for i in range(num_tokens)] else f"bad: {text!r}"
     return "error" if set(r.json().get("error", {})) == {"message", "type", "param", "code"} else f"bad: {r.text}"
+
+
+class HeldStreams:
+    """Streams under way, the victim replica held: ``n`` streams started, each past its first
+    token (each knows its replica from ``x-tandem-replica``), then ``hold()`` (the victim's engine
+    emits and finishes nothing; health checks pass). ``held`` of its streams can no longer finish;
+    its others finished before the hold (a slow box) and have reached their clients by the end of
+    ``__init__``. Nothing here depends on timing."""
+
+    def __init__(self, ex, url: str, victim_id: str, hold, running, n: int, num_tokens: int):
+        first, served = [threading.Event() for _ in range(n)], [{} for _ in range(n)]
+        self.futures = [ex.submit(stream_outcome, url, num_tokens, timeout=120, first_token=e, served=s)
+                        for e, s in zip(first, served, strict=True)]
+        wait_for(lambda: all(e.is_set() for e in first), "every stream to receive its first token")
+        hold()
+        self.held = running()
+        self.on_victim = [i for i, s in enumerate(served) if s["replica"] == victim_id]
+        done_first = len(self.on_victim) - self.held
+        wait_for(lambda: sum(self.futures[i].done() for i in self.on_victim) == done_first,
+                 "the victim's finished streams to reach their clients")
+
+    def check(self) -> None:
+        """Held streams end with an error event then [DONE]; every other stream completes."""
+        results = [f.result(timeout=120) for f in self.futures]
+        mine = sorted(results[i] for i in self.on_victim)
+        assert mine == ["error"] * self.held + ["ok"] * (len(mine) - self.held), results
+        assert all(r == "ok" for i, r in enumerate(results) if i not in self.on_victim), results

@@ -4,13 +4,12 @@ retried elsewhere; a stream cut by a dead, hung, stalled or raising replica ends
 event and [DONE]; the replica leaves the rotation and comes back by itself after a restart."""
 
 import concurrent.futures as cf
-import threading
 
 import pytest
 
 from gateway.errors import ErrorKind, TandemError
 from gateway.replicas import ReplicaState
-from tests.unit.gateway_server import complete_outcome, fake_gateway, stream_outcome
+from tests.unit.gateway_server import HeldStreams, complete_outcome, fake_gateway, stream_outcome
 from tests.waiting import wait_for
 
 TOKENS = 10
@@ -36,29 +35,9 @@ def _kill(service, replica) -> None:
     service.loop.call_soon_threadsafe(die)
 
 
-class Held:
-    """Streams each past its first token (each knows its replica), then the victim's engine held
-    (no token, no finishing): ``held`` of its streams can no longer finish; its others finished
-    before the hold (a slow box) and have reached their clients. Nothing depends on timing."""
-
-    def __init__(self, ex, url, victim, engine, n: int):
-        first, served = [threading.Event() for _ in range(n)], [{} for _ in range(n)]
-        self.futures = [ex.submit(stream_outcome, url, TOKENS, first_token=e, served=s)
-                        for e, s in zip(first, served, strict=True)]
-        _wait_for(lambda: all(e.is_set() for e in first), 30, "every stream to receive its first token")
-        engine.stall = True
-        self.held = len(engine.running)
-        self.on_victim = [i for i, s in enumerate(served) if s["replica"] == victim.id]
-        done_first = len(self.on_victim) - self.held
-        _wait_for(lambda: sum(self.futures[i].done() for i in self.on_victim) == done_first, 30,
-                  "the victim's finished streams to reach their clients")
-
-    def check(self) -> None:
-        """Held streams end with an error event then [DONE]; every other stream completes."""
-        results = [f.result(timeout=60) for f in self.futures]
-        mine = sorted(results[i] for i in self.on_victim)
-        assert mine == ["error"] * self.held + ["ok"] * (len(mine) - self.held), results
-        assert all(r == "ok" for i, r in enumerate(results) if i not in self.on_victim), results
+def _held(ex, url, victim, engine, n: int) -> HeldStreams:
+    return HeldStreams(ex, url, victim.id, lambda: setattr(engine, "stall", True), lambda: len(engine.running), n,
+                       TOKENS)
 
 
 def test_dead_replica_retries_unanswered_requests_and_cuts_streams_with_an_error():
@@ -67,7 +46,7 @@ def test_dead_replica_retries_unanswered_requests_and_cuts_streams_with_an_error
         old_engine = deployment.engines[victim.id]
         retries = service.metrics.retries.labels("fake")._value.get()
         with cf.ThreadPoolExecutor(12) as ex:
-            streams = Held(ex, url, victim, old_engine, 6)
+            streams = _held(ex, url, victim, old_engine, 6)
             plain = [ex.submit(complete_outcome, url, TOKENS) for _ in range(6)]
             # those on the survivor finish; those on the victim are held, unanswered
             _wait_for(lambda: sum(f.done() for f in plain) + len(old_engine.running) - streams.held == 6, 30,
@@ -91,7 +70,7 @@ def test_a_failing_engine_is_taken_out_fails_its_requests_and_comes_back(fault):
         victim = service.router.pools["fake"].replicas[0]
         engine = deployment.engines[victim.id]
         with cf.ThreadPoolExecutor(8) as ex:
-            streams = Held(ex, url, victim, engine, 6)
+            streams = _held(ex, url, victim, engine, 6)
             setattr(engine, {"hang": "hang", "stall": "stall", "raise": "broken"}[fault], True)
             # out of rotation: within unhealthy_after checks (timeouts, engine errors), or the stall timeout
             _wait_for(lambda: victim.state is not ReplicaState.HEALTHY or victim.restarts, 30,
