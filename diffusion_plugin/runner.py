@@ -96,9 +96,11 @@ class Runner:
         encoding = [self.rows[s] for s in batch.encode]
         if encoding:
             t = time.perf_counter()
-            # Exact mode encodes row by row (as generate() alone): batched GEMMs are not
-            # row-invariant on every BLAS, and the encoder is a small share of a step.
-            groups = [[r] for r in encoding] if self.sampler == "exact" else [encoding]
+            # Exact mode encodes row by row (as generate() alone). Fast mode batches rows whose
+            # pending token counts are equal (commits are all one canvas): left-padding queries
+            # to a batch mate's length changes the GEMMs' shapes and, on this box, a row's K/V
+            # by ~1e-6, which broke batch invariance; unpadded batches did not.
+            groups = [[r] for r in encoding] if self.sampler == "exact" else _by_length(encoding)
             for group in groups:
                 images = [r.images for r in group]
                 self.adapter.encode([r.cache for r in group], [r.pending for r in group], [r.cur_len for r in group],
@@ -224,6 +226,13 @@ class Runner:
         stable = len(history) == threshold and all(h == tokens for h in history)
         row.history = (history + [tokens])[-threshold:]
         return stable
+
+
+def _by_length(rows: list[_Row]) -> list[list[_Row]]:
+    groups: dict[int, list[_Row]] = {}
+    for r in rows:
+        groups.setdefault(r.pending.shape[1], []).append(r)
+    return list(groups.values())
 
 
 def _temperature(p, steps_left: int) -> float:

@@ -10,7 +10,8 @@ from diffusion_plugin.runner import Runner
 from diffusion_plugin.scheduler import Scheduler
 from workers import tiny_models
 
-PROMPTS = [list(range(3, 3 + n)) for n in (5, 40, 90, 17)]  # 90 is past the sliding window (64)
+PROMPTS = [[(7 * i + j) % 1000 + 3 for j in range(n)] for i, n in enumerate((25, 40, 90, 17, 14, 60))]  # 90 > window
+ARRIVALS = {0: [0, 1], 3: [2], 20: [3, 4], 40: [5]}  # step -> prompts arriving then (mid-block joins)
 
 
 @pytest.fixture(scope="module")
@@ -19,17 +20,17 @@ def adapter():
     return DiffusionGemmaAdapter(str(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA)))
 
 
-def _run(adapter, which, sampler="fast", max_batch=4, steps=6):
+def _run(adapter, arrivals, sampler="fast", max_batch=4, steps=16, row_boundaries=False):
     params = {**adapter.defaults(), "max_denoising_steps": steps}
-    sched, runner = Scheduler(max_batch=max_batch, canvas_length=adapter.canvas_length), Runner(adapter, sampler)
-    seqs = {}
-    for i in which:
-        seq = Sequence(seq_id=f"s{i}", prompt_ids=PROMPTS[i], params=SamplingParams(
-            max_tokens=70, seed=10 + i, eos_token_ids=(), **params))
-        seqs[seq.seq_id] = seq
-        sched.add(seq)
-    calls, widths = [], []
-    while sched.has_work():
+    sched = Scheduler(max_batch=max_batch, canvas_length=adapter.canvas_length, row_boundaries=row_boundaries)
+    runner, seqs, calls, widths, step = Runner(adapter, sampler), {}, [], [], 0
+    while step <= max(arrivals) or sched.has_work():
+        for i in arrivals.get(step, []):
+            seq = Sequence(seq_id=f"s{i}", prompt_ids=PROMPTS[i], params=SamplingParams(
+                max_tokens=70, seed=10 + i, eos_token_ids=(), **params))
+            seqs[seq.seq_id] = seq
+            sched.add(seq)
+        step += 1
         batch, _ = sched.schedule()
         if batch.empty():
             continue
@@ -41,19 +42,23 @@ def _run(adapter, which, sampler="fast", max_batch=4, steps=6):
     return {s: q.output_ids for s, q in seqs.items()}, calls, widths
 
 
-def test_fast_mode_is_batch_invariant(adapter):
-    together, _, widths = _run(adapter, [0, 1, 2, 3])
+@pytest.mark.parametrize("row_boundaries", [False, True], ids=["block", "row"])
+def test_fast_mode_is_batch_invariant(adapter, row_boundaries):
+    """Default temperatures (sampling matters), prompts of different lengths joining mid-run."""
+    together, _, widths = _run(adapter, ARRIVALS, row_boundaries=row_boundaries)
     assert max(widths) == 4
-    for i in range(4):
-        alone, _, _ = _run(adapter, [i])
+    for i in range(len(PROMPTS)):
+        alone, _, _ = _run(adapter, {0: [i]}, row_boundaries=row_boundaries)
         assert alone[f"s{i}"] == together[f"s{i}"], f"row {i} depends on its batch mates"
-    assert len({tuple(v) for v in together.values()}) == 4  # and the rows are not all the same
+    assert len({tuple(v) for v in together.values()}) == len(PROMPTS)  # and the rows differ
 
 
 def test_fast_mode_makes_one_attention_call_per_layer_per_step(adapter):
-    _, calls, widths = _run(adapter, [0, 1, 2, 3])
+    _, calls, widths = _run(adapter, {0: [0, 1, 2, 3]}, steps=4)
     layers = len(adapter.layer_types)
     assert max(widths) == 4 and all(c <= layers for c in calls)
+    _, calls, widths = _run(adapter, {0: [0, 1, 2, 3]}, sampler="exact", steps=2)
+    assert calls == [w * layers for w in widths]  # exact mode: one kernel per row and layer
 
 
 def test_fast_draws_depend_only_on_seed_and_step(adapter):
