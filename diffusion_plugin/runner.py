@@ -60,6 +60,7 @@ class Runner:
         self.chunk_rows = max(1, int(chunk_rows)) if sampler == "fast" else 1  # exact: HF's (1, C, V)
         self.rows: dict[str, _Row] = {}
         self._views = FastViews()  # fast mode only
+        self._scratch = vocab.Scratch()  # fast mode only: two (chunk_rows, C, V) buffers, reused
 
     def admit(self, seq: Sequence) -> None:
         gen = torch.Generator(device=self.adapter.device).manual_seed(seq.params.seed)
@@ -199,8 +200,9 @@ class Runner:
         C = self.adapter.canvas_length
         uniform = vocab.hash_uniform(seeds, counters, C, _SAMPLE)
         renoise = vocab.hash_draws(seeds, counters, C, _RENOISE) % V
-        parts = [vocab.fast_chunk(self.adapter.model, hidden[i:i + self.chunk_rows], inv_t[i:i + self.chunk_rows],
-                                  uniform[i:i + self.chunk_rows]) for i in range(0, len(rows), self.chunk_rows)]
+        k = self.chunk_rows
+        parts = [vocab.fast_chunk(self.adapter.model, hidden[i:i + k], inv_t[i:i + k], uniform[i:i + k], self._scratch)
+                 for i in range(0, len(rows), k)]
         sampled, argmax, entropy, soft = (torch.cat(xs) for xs in zip(*parts, strict=True))
         return sampled, argmax, entropy, renoise, soft
 

@@ -80,26 +80,43 @@ def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor, length: int, strea
     return (hash_draws(seeds, counters, length, stream).to(torch.float64) + 0.5) / 2**31
 
 
+class Scratch:
+    """Two reusable (rows, C, V) float32 buffers for ``fast_chunk``: a fresh 256 MiB tensor per
+    op costs its page faults every time (~0.1 s on one CPU core, as much as the op itself).
+    Fixed memory (two canvas x vocab units per row in flight), not per sequence."""
+
+    def __init__(self):
+        self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(self, shape: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._bufs is None or self._bufs[0].shape[1:] != shape[1:] or self._bufs[0].shape[0] < shape[0]:
+            self._bufs = (torch.empty(shape, device=device), torch.empty(shape, device=device))
+        return self._bufs[0][:shape[0]], self._bufs[1][:shape[0]]
+
+
 @torch.no_grad()
-def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.Tensor):
+def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.Tensor, scratch: Scratch):
     """R rows (R, C, H), 1/temperature (R,), one uniform per position (R, C) float64 ->
     (sampled, argmax, entropy) each (R, C), and the soft embedding (R, C, H)."""
     cap = model.final_logit_softcapping
     embed = model.model.decoder.embed_tokens
     weight = model.lm_head.weight
-    x = torch.matmul(hidden, weight.t()).float()  # lm_head
+    R, C, _ = hidden.shape
+    x, e = scratch.get((R, C, weight.shape[0]), hidden.device)
+    if weight.dtype == torch.float32:
+        torch.matmul(hidden, weight.t(), out=x)  # lm_head
+    else:
+        x.copy_(torch.matmul(hidden, weight.t()))
     x.div_(cap).tanh_().mul_((cap * inv_t).to(x.dtype)[:, None, None])  # softcap, then / temperature
     top, argmax = x.max(dim=-1)
     x.sub_(top[..., None])  # log-probabilities up to the log-normaliser
-    e = torch.exp(x)
+    torch.exp(x, out=e)
     total = e.sum(-1)
-    # Entropy of softmax(x): log S - sum(e * x) / S (x shifted by its max, so S >= 1).
-    ex = torch.matmul(e.unsqueeze(-2), x.unsqueeze(-1))[..., 0, 0]
-    entropy = torch.log(total) - ex / total
-    del x
     soft = torch.matmul(e.to(weight.dtype), embed.weight) / total[..., None].to(weight.dtype)
     soft = soft * embed.embed_scale.to(hidden.dtype)
     sampled = _inverse_cdf(e, uniform)
+    # Entropy of softmax(x): log S - sum(e * x) / S (x shifted by its max, so S >= 1).
+    entropy = torch.log(total) - x.mul_(e).sum(-1) / total
     return sampled, argmax, entropy, soft
 
 
@@ -111,7 +128,7 @@ def _inverse_cdf(e: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     if nb * CDF_BLOCK != V:
         e = torch.nn.functional.pad(e, (0, nb * CDF_BLOCK - V))
     blocks = e.view(R, C, nb, CDF_BLOCK)
-    cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # (R, C, nb)
+    cdf = blocks.sum(-1).to(torch.float64).cumsum(-1)  # (R, C, nb); float64 only over nb values
     target = uniform.to(torch.float64) * cdf[..., -1]
     bi = torch.searchsorted(cdf, target[..., None], right=True).clamp_(max=nb - 1)  # (R, C, 1)
     before = torch.where(bi > 0, cdf.gather(-1, (bi - 1).clamp(min=0)), torch.zeros_like(target[..., None]))
