@@ -67,13 +67,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # -- /proc ----------------------------------------------------------------------------------
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a process, all its threads, in seconds (0 if it is gone)."""
+def proc_cpu_s(pid: int, sys_only: bool = False) -> float:
+    """utime + stime (or stime alone) of a process, all its threads, in seconds (0 if it is gone)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14, 15 of stat(5), after "pid (comm)"
+    stime = int(fields[12])  # fields 14 (utime) and 15 (stime) of stat(5), counted after "pid (comm)"
+    return (stime if sys_only else int(fields[11]) + stime) / CLK_TCK
 
 
 def proc_tree(root: int) -> list[int]:
@@ -254,7 +255,7 @@ def run_tandem(args, name: str, model_path: str, workdir: Path, levels: list[int
             rep = _replica(url, name)
             pid = rep["pid"]
             before, tree = rep["engine"], proc_tree(server.proc.pid)
-            cpu0, rcpu0 = sum(proc_cpu_s(p) for p in tree), proc_cpu_s(pid)
+            cpu0, rcpu0, rsys0 = sum(proc_cpu_s(p) for p in tree), proc_cpu_s(pid), proc_cpu_s(pid, sys_only=True)
             rss0 = proc_mem(pid).get("VmRSS", 0)
             reset_peak(pid)
             t0 = time.perf_counter()
@@ -265,6 +266,7 @@ def run_tandem(args, name: str, model_path: str, workdir: Path, levels: list[int
             peak = proc_mem(pid).get("VmHWM", 0)
             tree = set(tree) | set(proc_tree(server.proc.pid))
             cpu, rcpu = sum(proc_cpu_s(p) for p in tree) - cpu0, proc_cpu_s(pid) - rcpu0
+            rsys = proc_cpu_s(pid, sys_only=True) - rsys0  # page faults (zeroing fresh memory) land here
             after = _replica(url, name)["engine"]
             steps = _delta(after, before, "steps")
             tokens = max(res.output_tokens, 1)
@@ -278,6 +280,7 @@ def run_tandem(args, name: str, model_path: str, workdir: Path, levels: list[int
                 "admission_wait_mean_ms": 1000 * _delta(after, before, "admission_wait_sum_s")
                 / max(_delta(after, before, "admitted"), 1),
                 "cpu_ms_per_token": 1000 * cpu / tokens, "replica_cpu_ms_per_token": 1000 * rcpu / tokens,
+                "sys_cpu_share": rsys / rcpu if rcpu else float("nan"),
                 **memory_per_row(rss0, peak, rss.mean, min(c, max_batch)),
                 **engine.summary(), "engine_memory": _memory_stats(after),
             }
@@ -345,7 +348,7 @@ def _hf_child(spec: dict) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             dev0 = torch.cuda.memory_allocated()
-        cpu0, service, tokens = time.process_time(), [], 0
+        cpu0, sys0, service, tokens = time.process_time(), os.times().system, [], 0
         with RssSampler("self") as rss:
             for batch in batches:
                 t0 = time.perf_counter()
@@ -353,11 +356,12 @@ def _hf_child(spec: dict) -> dict:
                 service.append(time.perf_counter() - t0)  # .tolist() below waits for the device
                 tokens += sum(count(r) for r in out.sequences[:, len(batch[0]):].tolist())
         wall, cpu = sum(service), time.process_time() - cpu0
+        sys_cpu = os.times().system - sys0
         forwards = clock["decode_s"] + clock["encode_s"]  # on a GPU: launch time, not kernel time
         res = {"tokens_per_s": tokens / wall, "output_tokens": tokens, "wall_s": wall,
                "s_per_step": wall / max(clock["decodes"], 1), "rows_per_step": rows,
                "outside_forward_share": max(0.0, 1 - forwards / wall),
-               "cpu_ms_per_token": 1000 * cpu / max(tokens, 1),
+               "cpu_ms_per_token": 1000 * cpu / max(tokens, 1), "sys_cpu_share": sys_cpu / cpu if cpu else float("nan"),
                **memory_per_row(rss0, proc_mem().get("VmHWM", 0), rss.mean, rows)}
         if cuda:
             res["device_peak_growth_per_row_mb"] = (torch.cuda.max_memory_allocated() - dev0) / rows / MB
@@ -415,6 +419,7 @@ COLUMNS = [
     ("outside forwards", "outside_forward_share", "{:.1%}"),
     ("CPU ms/token (all processes)", "cpu_ms_per_token", "{:.0f}"),
     ("CPU ms/token (replica)", "replica_cpu_ms_per_token", "{:.0f}"),
+    ("of it in the kernel (page faults)", "sys_cpu_share", "{:.0%}"),
     ("peak RSS growth/row MB", "peak_growth_per_row_mb", "{:.0f}"),
     ("mean RSS growth/row MB", "mean_growth_per_row_mb", "{:.0f}"),
     ("device peak growth/row MB", "device_peak_growth_per_row_mb", "{:.0f}"),
