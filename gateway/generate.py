@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -16,9 +17,11 @@ from gateway.config import ModelConfig
 from gateway.errors import ErrorKind, TandemError, invalid, request_timeout
 from gateway.limits import check_limits
 from gateway.metrics import now
+from gateway.replicas import Replica
 from gateway.router import ModelPool, Slot, request_cost
 from gateway.service import Service
-from gateway.streaming import ClientGone, sse_body, until_disconnect
+from gateway.streaming import ClientGone, event_body, sse_body, until_disconnect
+from workers.protocol import DONE_ROUTES, route_not_served
 
 logger = logging.getLogger(__name__)
 
@@ -62,30 +65,39 @@ def _depth_over(value: object, limit: int) -> bool:
     return False
 
 
-async def generate(request: Request, service: Service, route: str) -> Response:
+async def generate(request: Request, service: Service, route: str, body: dict | None = None,
+                   pin: Replica | None = None) -> Response:
+    """Serve one request of ``route`` (``workers.protocol.ROUTES``). ``body``: already parsed
+    (routes that take no JSON body); ``pin``: the replica that must serve it (a stored response)."""
     t0 = now()
     metrics = service.metrics
     config = service.config
-    body = await _read_json(request, config.limits.max_json_depth)
+    if body is None:
+        body = await _read_json(request, config.limits.max_json_depth)
     model = metrics.model_label(body.get("model"))
     request.state.tandem_model = model
     if service.draining:
         raise TandemError(ErrorKind.SHUTTING_DOWN, "the server is shutting down; retry on another instance",
                           retry_after=1)
     pool = service.router.pool(body.get("model"))
+    _check_route(pool, route)
     check_limits(body, config.limits_for(pool.name), route)
     request.app.state.limiter.check_tokens(getattr(request.state, "tandem_key_name", None), body)
     timeout_at = _timeout_at(config.limits.request_timeout_s)
     cost = request_cost(pool.kind, body)
     key = _session_key(request, body, config.model(pool.name))
-    request_id = f"{route}-{request_id_of(request)}"
+    if pin is None and route == "responses":
+        pin = replica_of_response(service, body.get("previous_response_id"), pool.name)
+    others = [r.id for r in pool.replicas if pin is not None and r is not pin]
     tried: list[str] = []
     while True:
         waited = now()
-        slot = await _acquire(pool, request, timeout_at, cost, key, tried)
+        slot = await _acquire(pool, request, timeout_at, cost, key, tried + others)
         metrics.queue_wait.labels(model).observe(now() - waited)
         metrics.in_flight.labels(model).inc()
         release = _releaser(pool, slot, metrics, model)
+        request_id = (response_id(slot.replica.id) if route == "responses"
+                      else f"{route}-{request_id_of(request)}")
         items = slot.replica.handle.generate(route, body, request_id, timeout_at)
         try:
             first = await until_disconnect(request, anext(items))
@@ -103,23 +115,74 @@ async def generate(request: Request, service: Service, route: str) -> Response:
             await items.aclose()
             release()
             raise
-        if isinstance(first, TandemError) and _retry(first, pool, slot, tried):
+        if isinstance(first, TandemError) and pin is None and _retry(first, pool, slot, tried):
             await items.aclose()
             release()
             metrics.retries.labels(model).inc()
             continue
         break
+    headers = {REPLICA_HEADER: slot.replica.id}
     if isinstance(first, str):
         metrics.ttft.labels(model).observe(now() - t0)
-        return StreamingResponse(sse_body(first, items, release, _chunk_observer(metrics, model)),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", REPLICA_HEADER: slot.replica.id})
+        if route in DONE_ROUTES:  # the hot path: unchanged
+            body_iter = sse_body(first, items, release, _chunk_observer(metrics, model))
+        else:
+            body_iter = event_body(first, items, release, route)
+        return StreamingResponse(body_iter, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                                   **headers})
     await items.aclose()
     release()
     if isinstance(first, TandemError):
         raise first
-    metrics.observe_usage(model, first.get("usage"))
-    return JSONResponse(first, headers={REPLICA_HEADER: slot.replica.id})
+    if route in DONE_ROUTES:
+        metrics.observe_usage(model, first.get("usage"))
+    return JSONResponse(first, headers=headers)
+
+
+def _check_route(pool: ModelPool, route: str) -> None:
+    """400 naming the route and the model when the model's engine does not serve ``route`` (what
+    its started replicas reported; before any has started, the replica itself says the same)."""
+    info = next((r.info for r in pool.replicas if r.info is not None and r.info.routes is not None), None)
+    if info is not None and route not in info.routes:
+        raise route_not_served(route, pool.name, pool.kind, info.routes)
+
+
+# -- stored responses: the response id names the replica whose store holds it --------------------
+# vLLM uses the request's ``request_id`` as the response id; the gateway chooses it as
+# ``resp_<hex of the replica id>_<uuid>``. Retrieval, cancel and ``previous_response_id`` then go
+# to that replica with no table to keep (nor lose on a gateway restart, nor share between gateways).
+
+def response_id(replica_id: str) -> str:
+    return f"resp_{replica_id.encode().hex()}_{uuid.uuid4().hex}"
+
+
+def replica_of_response(service: Service, rid: object, model: str | None = None) -> Replica | None:
+    """The live replica that created response ``rid`` (of ``model`` when given), else None."""
+    if not isinstance(rid, str) or not rid.startswith("resp_"):
+        return None
+    try:
+        replica_id = bytes.fromhex(rid.split("_")[1]).decode()
+    except (IndexError, ValueError):
+        return None
+    for replica in service.router.all_replicas():
+        if replica.id == replica_id and (model is None or replica.model == model) and replica.state.live:
+            return replica
+    return None
+
+
+def response_not_found(rid: str) -> TandemError:
+    """vLLM's answer for an unknown response id, word for word."""
+    return TandemError(ErrorKind.NOT_FOUND, f"Response with id '{rid}' not found.", "response_id")
+
+
+async def stored_response(request: Request, service: Service, route: str, response_id_: str, **query) -> Response:
+    """GET /v1/responses/{id} and POST .../cancel: served by the replica that created it."""
+    replica = replica_of_response(service, response_id_)
+    if replica is None:
+        request.state.tandem_model = "other"
+        raise response_not_found(response_id_)
+    body = {"model": replica.model, "response_id": response_id_, **{k: v for k, v in query.items() if v is not None}}
+    return await generate(request, service, route, body=body, pin=replica)
 
 
 def _timeout_at(timeout_s: float | None) -> float | None:

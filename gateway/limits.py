@@ -106,10 +106,18 @@ def check_limits(body: Any, limits: LimitsConfig, route: str) -> None:
         _check_size("prompt", sum(isinstance(p, str | list) for p in prompt), "prompts", limits.max_messages)
     if route != "chat":
         _check_size("prompt", prompt_size(prompt)[0], "characters of text", limits.max_prompt_chars)
+    inputs = body.get("input")  # the Responses API: a string, or a list of message items
+    if isinstance(inputs, list):
+        _check_size("input", len(inputs), "input items", limits.max_messages)
+    _check_size("input", _input_chars(inputs), "characters of text", limits.max_prompt_chars)
     for name in ("n", "best_of"):
         _check_number(body, name, limits.max_n)
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         _check_number(body, name, limits.max_tokens_ceiling)
+
+
+def _input_chars(inputs: Any) -> int:
+    return len(inputs) if isinstance(inputs, str) else messages_chars(inputs)
 
 
 def _declared_length(scope: Scope) -> int | None:

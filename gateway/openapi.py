@@ -68,6 +68,9 @@ def request_body_schema(route: str, models: list[str], limits: LimitsConfig) -> 
         "user": {"type": "string", "maxLength": 256},
         "diffusion": _DIFFUSION,
     }
+    if route not in ("chat", "completions"):
+        return {"requestBody": {"required": True, "content": {"application/json": {
+            "schema": _other_schema(route, models, max_tokens)}}}}
     if route == "chat":
         props = {**common, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
                  "max_completion_tokens": max_tokens,
@@ -83,3 +86,41 @@ def request_body_schema(route: str, models: list[str], limits: LimitsConfig) -> 
         required = ["model", "prompt"]
     schema = {"type": "object", "required": required, "properties": props}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+_ANTHROPIC_MESSAGE = {"type": "object", "required": ["role", "content"],
+                      "properties": {"role": {"enum": ["user", "assistant"]},
+                                     "content": {"anyOf": [{"type": "string"},
+                                                           {"type": "array", "items": _TEXT_PART, "minItems": 1}]}}}
+
+
+def _other_schema(route: str, models: list[str], max_tokens: dict) -> dict:
+    """The bodies of the routes vLLM serves besides chat and completions (its own request
+    models validate them in the replica; these are what clients need to know)."""
+    model = {"enum": models, "description": "A configured model (GET /v1/models)."}
+    if route == "responses":
+        props = {"model": model, "input": {"anyOf": [{"type": "string", "minLength": 1},
+                                                     {"type": "array", "items": {"type": "object"}, "minItems": 1}]},
+                 "instructions": {"type": ["string", "null"]}, "max_output_tokens": max_tokens,
+                 "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+                 "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
+                 "stream": {"type": ["boolean", "null"]}, "store": {"type": ["boolean", "null"]},
+                 "previous_response_id": {"type": ["string", "null"]}}
+        required = ["model", "input"]
+    elif route in ("messages", "messages_count_tokens"):
+        props = {"model": model, "messages": {"type": "array", "items": _ANTHROPIC_MESSAGE, "minItems": 1},
+                 "system": {"type": "string"}}
+        required = ["model", "messages"]
+        if route == "messages":
+            props.update(max_tokens={**max_tokens, "type": "integer"}, stream={"type": "boolean"},
+                         temperature={"type": "number", "minimum": 0, "maximum": 1})
+            required.append("max_tokens")
+    elif route == "tokenize":
+        props = {"model": model, "prompt": {"type": "string"}, "messages": {"type": "array", "items": _MESSAGE},
+                 "add_special_tokens": {"type": "boolean"}}
+        return {"type": "object", "required": ["model"], "properties": props,
+                "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
+    else:  # detokenize
+        props = {"model": model, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}
+        required = ["model", "tokens"]
+    return {"type": "object", "required": required, "properties": props}

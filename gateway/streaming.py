@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -82,6 +83,47 @@ async def sse_body(first: str, rest: AsyncIterator, on_close: Callable[[], None]
     except Exception:  # noqa: BLE001 - the client must get an ending
         logger.exception("stream failed")
         yield TandemError(ErrorKind.INTERNAL, "internal error while streaming").sse() + DONE
+    finally:
+        await _close(rest)
+        on_close()
+
+
+def error_event(route: str, err: TandemError) -> str:
+    """A stream's last event when it fails after it began, in the route's own framing: the
+    Anthropic error event on /v1/messages, the Responses API's ``error`` event otherwise."""
+    if route.startswith("messages"):
+        data = {"type": "error", "error": {"type": anthropic_error_type(err.status), "message": err.message}}
+    else:
+        data = {"type": "error", "code": str(err.envelope()["error"]["code"]), "message": err.message,
+                "param": err.param, "sequence_number": -1}
+    return f"event: error\ndata: {json.dumps(data)}\n\n"
+
+
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's error ``type`` for an HTTP status (https://docs.anthropic.com/en/api/errors)."""
+    return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+            404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+            503: "overloaded_error", 529: "overloaded_error"}.get(status, "invalid_request_error" if status < 500
+                                                                   else "api_error")
+
+
+async def event_body(first: str, rest: AsyncIterator, on_close: Callable[[], None], route: str) -> AsyncIterator[str]:
+    """The body of a stream with named events and no ``[DONE]`` (Responses, Anthropic Messages):
+    the engine's SSE text until its iterator ends; a failure after it began is the route's error
+    event (``error_event``)."""
+    try:
+        yield first
+        async for chunk in rest:
+            if isinstance(chunk, TandemError):
+                yield error_event(route, chunk)
+                return
+            if isinstance(chunk, str):
+                yield chunk
+    except TandemError as e:
+        yield error_event(route, e)
+    except Exception:  # noqa: BLE001 - the client must get an ending
+        logger.exception("stream failed")
+        yield error_event(route, TandemError(ErrorKind.INTERNAL, "internal error while streaming"))
     finally:
         await _close(rest)
         on_close()

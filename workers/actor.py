@@ -9,15 +9,25 @@ Errors go back as values. The class is plain Python: ``workers.deployment`` wrap
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import uuid
 from collections.abc import AsyncIterator
 
 from gateway.config import ModelConfig
-from gateway.errors import ErrorKind, TandemError, invalid
+from gateway.errors import ErrorKind, TandemError
 from workers.channel import Batch, Outbox
-from workers.protocol import Engine, EngineInfo, EngineStats, Item, ReplicaHealth
+from workers.protocol import (
+    DONE_ROUTES,
+    Engine,
+    EngineInfo,
+    EngineStats,
+    Item,
+    ReplicaHealth,
+    route_not_served,
+    served_routes,
+)
 from workers.registry import create_engine
 
 logger = logging.getLogger(__name__)
@@ -47,7 +57,8 @@ class EngineActor:
         if not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logger.info("replica %s (pid %d) starting %s", self.replica_id, os.getpid(), self.cfg.name)
-        self.info = await self.engine.start()
+        info = await self.engine.start()
+        self.info = dataclasses.replace(info, routes=served_routes(self.engine))
         return self.info
 
     async def open_channel(self, channel_id: str) -> AsyncIterator[Batch]:
@@ -66,14 +77,12 @@ class EngineActor:
     async def submit(self, channel_id: str, route: str, body: dict, request_id: str) -> None:
         """Start a request; its items (see ``workers.protocol``) go out on the channel."""
         outbox = await self._outbox(channel_id)
-        outbox.start(request_id, self._items(route, body, request_id))
+        outbox.start(request_id, self._items(route, body, request_id), done_framed=route in DONE_ROUTES)
 
     def _items(self, route: str, body: dict, request_id: str) -> AsyncIterator[Item]:
-        if route == "chat":
-            return self.engine.chat(body, request_id)
-        if route == "completions":
-            return self.engine.completions(body, request_id)
-        return _one(invalid(f"unknown route {route!r}"))
+        if route in served_routes(self.engine):  # one engine method per route (workers.protocol)
+            return getattr(self.engine, route)(body, request_id)
+        return _one(route_not_served(route, self.cfg.name, self.cfg.kind.value, served_routes(self.engine)))
 
     async def _outbox(self, channel_id: str) -> Outbox:
         # The caller opens its channel before it submits; tolerate the race anyway.

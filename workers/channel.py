@@ -57,11 +57,13 @@ class Outbox:
             if batch:
                 yield batch
 
-    def start(self, request_id: str, items: AsyncIterator[Item]) -> None:
-        """Run one request, sending what it yields (then END) through this outbox."""
-        self.tasks[request_id] = asyncio.create_task(self._run(request_id, items), name=f"req-{request_id}")
+    def start(self, request_id: str, items: AsyncIterator[Item], done_framed: bool = True) -> None:
+        """Run one request, sending what it yields (then END) through this outbox.
+        ``done_framed``: its stream is OpenAI's ``data:`` events ending in ``[DONE]``."""
+        self.tasks[request_id] = asyncio.create_task(self._run(request_id, items, done_framed),
+                                                     name=f"req-{request_id}")
 
-    async def _run(self, request_id: str, items: AsyncIterator[Item]) -> None:
+    async def _run(self, request_id: str, items: AsyncIterator[Item], done_framed: bool = True) -> None:
         streamed = False
         try:
             async for item in items:
@@ -73,7 +75,10 @@ class Outbox:
             logger.exception("request %s failed in the engine", request_id)
             err = e if isinstance(e, TandemError) else TandemError(
                 ErrorKind.ENGINE_ERROR, f"the engine failed on this request: {type(e).__name__}")
-            self.put(request_id, err.sse() + DONE if streamed else err)
+            # After an OpenAI stream began: its error event and [DONE]; after a stream of named
+            # events (Responses, Anthropic): the error itself, which the gateway frames as that
+            # route's error event.
+            self.put(request_id, err.sse() + DONE if streamed and done_framed else err)
         finally:
             self.tasks.pop(request_id, None)
             self.put(request_id, END)

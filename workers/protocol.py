@@ -3,12 +3,19 @@
 An engine lives inside a worker (a Ray actor, or in-process in unit tests). The gateway never
 sees an engine directly; it talks to the actor shell in ``workers/actor.py``.
 
-What ``chat``/``completions`` yield (``Item``), in order:
+Routes: each generation route of the gateway (``ROUTES``) is one engine method of the same
+name (``chat``, ``completions``, ``responses``, ``tokenize``...). An engine serves a route iff it
+has that method: the actor reports them (``EngineInfo.routes``) and the gateway answers 400,
+naming the route and the model, for any other. Adding a route to an engine is one method.
+
+What a route method yields (``Item``), in order:
 - a ``TandemError``: the request failed before it produced output (exactly one item); or
 - a ``dict``: the whole body of a non-streaming response (exactly one item); or
 - ``str`` SSE text (``"data: {...}\\n\\n"``, one or more events each) for a streaming request,
-  the last one ending in ``"data: [DONE]\\n\\n"``. A failure after the stream began is an error
-  event followed by ``[DONE]``, never a bare stop.
+  the last one ending in ``"data: [DONE]\\n\\n"`` (chat, completions: OpenAI's framing; the
+  Responses and Anthropic streams have named events and no ``[DONE]``: they end with the
+  iterator). A failure after the stream began is a ``TandemError`` item (or, on chat and
+  completions, an error event followed by ``[DONE]``), never a bare stop.
 Cancelling the iterator (client gone) aborts the request in the engine.
 """
 
@@ -18,9 +25,24 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from gateway.errors import TandemError
+from gateway.errors import TandemError, invalid
 
-Route = Literal["chat", "completions"]
+Route = Literal["chat", "completions", "responses", "responses_retrieve", "responses_cancel", "messages",
+                "messages_count_tokens", "tokenize", "detokenize"]
+# route -> (HTTP method, path) as clients call it: names routes in errors and in the OpenAPI document.
+ROUTES: dict[str, tuple[str, str]] = {
+    "chat": ("POST", "/v1/chat/completions"),
+    "completions": ("POST", "/v1/completions"),
+    "responses": ("POST", "/v1/responses"),
+    "responses_retrieve": ("GET", "/v1/responses/{response_id}"),
+    "responses_cancel": ("POST", "/v1/responses/{response_id}/cancel"),
+    "messages": ("POST", "/v1/messages"),
+    "messages_count_tokens": ("POST", "/v1/messages/count_tokens"),
+    "tokenize": ("POST", "/tokenize"),
+    "detokenize": ("POST", "/detokenize"),
+}
+# Routes whose streams are OpenAI's ``data: ...`` events ending in ``[DONE]``.
+DONE_ROUTES = frozenset({"chat", "completions"})
 Item = TandemError | dict | str
 DONE = "data: [DONE]\n\n"
 
@@ -33,6 +55,17 @@ class EngineInfo:
     kind: str
     max_model_len: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    routes: tuple[str, ...] | None = None  # the ``ROUTES`` it serves (set by the actor); None: unknown
+
+
+def served_routes(engine: object) -> tuple[str, ...]:
+    """The routes ``engine`` serves: those it has a method for."""
+    return tuple(r for r in ROUTES if callable(getattr(engine, r, None)))
+
+
+def route_name(route: str) -> str:
+    method, path = ROUTES.get(route, ("POST", route))
+    return f"{method} {path}"
 
 
 @dataclass(frozen=True)
@@ -79,3 +112,10 @@ class Engine(Protocol):
 
     async def shutdown(self) -> None:
         """Release the model and every process the engine started."""
+
+
+def route_not_served(route: str, model: str, kind: str, routes: tuple[str, ...]) -> TandemError:
+    """The 400 for a route the model's engine has no method for (the gateway says the same)."""
+    served = ", ".join(route_name(r) for r in routes) or "none"
+    return invalid(f"{route_name(route)} is not served by model {model!r} (a {kind} model); "
+                   f"it serves: {served}", param="model")

@@ -62,6 +62,35 @@ async def _once(item: Item) -> AsyncIterator[Item]:
     yield item
 
 
+def _with_id(request_cls):
+    """Parse a body as ``request_cls`` with the gateway's request id (vLLM's ``request_id``)."""
+    return lambda body, request_id: request_cls.model_validate({**body, "request_id": request_id})
+
+
+def _body(validate):
+    """Parse a body with ``validate`` (a request model without a ``request_id``)."""
+    return lambda body, request_id: validate(body)
+
+
+def _plain(body: dict, request_id: str) -> dict:
+    return body
+
+
+def _dump_by_alias(result: BaseModel) -> dict:
+    return result.model_dump(mode="json", by_alias=True)
+
+
+def _dump_without_none(result: BaseModel) -> dict:
+    return result.model_dump(mode="json", exclude_none=True)
+
+
+async def _response_events(events) -> AsyncIterator[str]:
+    """Responses API events as SSE, exactly as vLLM's route handler frames them."""
+    async for event in events:
+        data = event.model_dump_json(indent=None, by_alias=True)
+        yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {data}\n\n"
+
+
 class _Totals:
     """vLLM's own per-step stats, accumulated (a StatLoggerBase fed by AsyncLLM): tandem does
     not count tokens itself, so nothing is counted twice."""
@@ -142,23 +171,82 @@ class VllmEngine:
             extra={"source": self.source},
         )
 
+    # One method per route (``workers.protocol.ROUTES``), each calling the serving object vLLM's
+    # own route handler calls, as it calls it (vllm/entrypoints/**/api_router.py).
+
     def chat(self, body: dict, request_id: str) -> AsyncIterator[Item]:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         if body.get("messages") == []:
             # vLLM says so too, but without naming the field.
             return _once(invalid("messages: must contain at least one message", param="messages"))
-        return self._serve(body, request_id, ChatCompletionRequest, "messages",
+        return self._serve(body, request_id, _with_id(ChatCompletionRequest), "messages",
                            lambda r: self._state.openai_serving_chat.create_chat_completion(r, None))
 
     def completions(self, body: dict, request_id: str) -> AsyncIterator[Item]:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-        return self._serve(body, request_id, CompletionRequest, "prompt",
+        return self._serve(body, request_id, _with_id(CompletionRequest), "prompt",
                            lambda r: self._state.openai_serving_completion.create_completion(r, None))
 
-    async def _serve(self, body: dict, request_id: str, request_cls, prompt_field: str, handle
-                     ) -> AsyncIterator[Item]:
+    def responses(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        """OpenAI's Responses API. ``request_id`` becomes the response's id (vLLM uses the
+        request's): the gateway encodes this replica in it, so retrieval finds its store."""
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+        return self._serve(body, request_id, _with_id(ResponsesRequest), "input",
+                           lambda r: self._responses().create_responses(r, None),
+                           dump=_dump_by_alias, events=_response_events)
+
+    def responses_retrieve(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        return self._serve(body, request_id, _plain, None,
+                           lambda b: self._responses().retrieve_responses(
+                               b["response_id"], starting_after=b.get("starting_after"), stream=b.get("stream")),
+                           dump=_dump_by_alias, events=_response_events)
+
+    def responses_cancel(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        return self._serve(body, request_id, _plain, None,
+                           lambda b: self._responses().cancel_responses(b["response_id"]), dump=_dump_by_alias)
+
+    def messages(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        """Anthropic's Messages API (the gateway gives its errors Anthropic's shape)."""
+        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+
+        return self._serve(body, request_id, _body(AnthropicMessagesRequest.model_validate), "messages",
+                           lambda r: self._state.anthropic_serving_messages.create_messages(r, None),
+                           dump=_dump_without_none)
+
+    def messages_count_tokens(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest
+
+        return self._serve(body, request_id, _body(AnthropicCountTokensRequest.model_validate), "messages",
+                           lambda r: self._state.anthropic_serving_messages.count_tokens(r, None),
+                           dump=_dump_without_none)
+
+    def tokenize(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        from pydantic import TypeAdapter
+        from vllm.entrypoints.serve.tokenize.protocol import TokenizeRequest
+
+        return self._serve(body, request_id, _body(TypeAdapter(TokenizeRequest).validate_python), "prompt",
+                           lambda r: self._state.serving_tokenization.create_tokenize(r, None))
+
+    def detokenize(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest
+
+        return self._serve(body, request_id, _body(DetokenizeRequest.model_validate), "tokens",
+                           lambda r: self._state.serving_tokenization.create_detokenize(r, None))
+
+    def _responses(self):
+        handler = self._state.openai_serving_responses
+        if handler is None:  # as vLLM's route handler says
+            raise NotImplementedError("The model does not support Responses API")
+        return handler
+
+    async def _serve(self, body: dict, request_id: str, parse, prompt_field: str | None, handle,
+                     dump=None, events=None) -> AsyncIterator[Item]:
+        """``parse(body, request_id)`` builds vLLM's request; ``handle`` serves it; ``dump`` turns
+        a whole answer into JSON, ``events`` a stream of event objects into SSE text (streams of
+        text pass as they are)."""
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
         from vllm.exceptions import VLLMClientError
@@ -168,7 +256,7 @@ class VllmEngine:
             try:
                 # vLLM's request models raise its own VLLMValidationError from validators (not a
                 # ValueError, so pydantic does not wrap it): a 400 like the rest, as vLLM's server says.
-                request = request_cls.model_validate({**body, "request_id": request_id})
+                request = parse(body, request_id)
                 result = await handle(request)
             except ValidationError as e:
                 yield _validation_error(e)
@@ -177,12 +265,15 @@ class VllmEngine:
                 result = create_error_response(e)
             if isinstance(result, ErrorResponse):
                 err = _from_vllm_error(result)
-                if err.kind is ErrorKind.CONTEXT_TOO_LONG:
+                if err.kind is ErrorKind.CONTEXT_TOO_LONG and prompt_field:
                     err = TandemError(err.kind, err.message, prompt_field)
                 yield err
             elif isinstance(result, BaseModel):
-                yield result.model_dump(mode="json")
+                yield dump(result) if dump is not None else result.model_dump(mode="json")
             else:
+                if events is not None:
+                    result = events(result)
+                done_framed = events is None and dump is None  # chat, completions: OpenAI's [DONE] framing
                 streamed = False
                 try:
                     async for chunk in result:
@@ -190,7 +281,7 @@ class VllmEngine:
                         yield chunk
                 except VLLMClientError as e:  # a request error found while streaming: its own answer, not a 500
                     err = _from_vllm_error(create_error_response(e))
-                    yield err.sse() + DONE if streamed else err
+                    yield err.sse() + DONE if streamed and done_framed else err
         finally:
             self._active.discard(request_id)
 
