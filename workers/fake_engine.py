@@ -39,6 +39,7 @@ class FakeEngine:
         self.running: set[str] = set()
         self.aborted: list[str] = []
         self.served: list[str] = []
+        self.responses_store: dict[str, dict] = {}  # this replica's stored responses, by id
 
     def _file_fault(self) -> str | None:
         """This process's fault in the control file, as the file says now (lifted when the test
@@ -77,6 +78,62 @@ class FakeEngine:
         if not isinstance(body.get("prompt"), str):
             return _one(invalid("prompt: must be a string", param="prompt"))
         return self._generate(body, request_id, body["prompt"], chat=False)
+
+    # Routes besides chat and completions (not ``messages``: the fake serves no Anthropic API, so
+    # it stands for a model kind that lacks a route).
+
+    async def responses(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        """The Responses API: the response id is the request id (as vLLM does); stored here."""
+        if not isinstance(body.get("input"), str):
+            yield invalid("input: must be a string", param="input")
+            return
+        words = [f"tok{i}" for i in range(min(body.get("max_output_tokens") or self.num_tokens, self.num_tokens))]
+        resp = {"id": request_id, "object": "response", "created_at": int(time.time()), "model": self.model,
+                "status": "completed", "output": [{"type": "message", "id": "msg_1", "role": "assistant",
+                                                   "status": "completed", "content": [
+                                                       {"type": "output_text", "text": " ".join(words),
+                                                        "annotations": []}]}]}
+        self.responses_store[request_id] = resp
+        if not body.get("stream"):
+            yield resp
+            return
+        yield _event({"type": "response.created", "sequence_number": 0, "response": {**resp, "status": "in_progress",
+                                                                                   "output": []}})
+        for i, w in enumerate(words):
+            await self._step()
+            await asyncio.sleep(self.token_delay_s)
+            if self.fail == "midstream" and i == 1:
+                raise RuntimeError("fake engine failed mid-stream")
+            yield _event({"type": "response.output_text.delta", "sequence_number": i + 1, "item_id": "msg_1",
+                          "output_index": 0, "content_index": 0, "delta": (" " if i else "") + w})
+        yield _event({"type": "response.completed", "sequence_number": len(words) + 1, "response": resp})
+
+    async def responses_retrieve(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        resp = self.responses_store.get(body.get("response_id"))
+        if resp is None:
+            yield TandemError(ErrorKind.NOT_FOUND, f"Response with id '{body.get('response_id')}' not found.",
+                              "response_id")
+            return
+        yield resp
+
+    async def responses_cancel(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        async for item in self.responses_retrieve(body, request_id):
+            yield invalid("Cannot cancel a synchronous response.", "response_id") if isinstance(item, dict) else item
+
+    async def tokenize(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        """One token per character (its code point)."""
+        if not isinstance(body.get("prompt"), str):
+            yield invalid("prompt: must be a string", param="prompt")
+            return
+        tokens = [ord(c) for c in body["prompt"]]
+        yield {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens, "token_strs": None}
+
+    async def detokenize(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
+            yield invalid("tokens: Input should be greater than or equal to 0", param="tokens")
+            return
+        yield {"prompt": "".join(chr(t) for t in tokens)}
 
     async def _generate(self, body: dict, rid: str, prompt: str, chat: bool) -> AsyncIterator[Item]:
         n_prompt = len(prompt.split())
@@ -145,6 +202,10 @@ def _chunk(rid: str, model: str, chat: bool, text: str, finish: str | None) -> s
     obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
            "created": int(time.time()), "model": model, "choices": [choice]}
     return f"data: {json.dumps(obj)}\n\n"
+
+
+def _event(data: dict) -> str:
+    return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n"
 
 
 async def _one(item: Item) -> AsyncIterator[Item]:

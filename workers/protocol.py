@@ -117,5 +117,5 @@ class Engine(Protocol):
 def route_not_served(route: str, model: str, kind: str, routes: tuple[str, ...]) -> TandemError:
     """The 400 for a route the model's engine has no method for (the gateway says the same)."""
     served = ", ".join(route_name(r) for r in routes) or "none"
-    return invalid(f"{route_name(route)} is not served by model {model!r} (a {kind} model); "
+    return invalid(f"{route_name(route)} is not served by model {model!r} (kind: {kind}); "
                    f"it serves: {served}", param="model")
