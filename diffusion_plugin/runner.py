@@ -21,12 +21,14 @@ call per layer, fused vocab work, hash-based draws; batch-invariant, not equal t
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from diffusion_plugin.attention import FAST
 from diffusion_plugin.batch import RowOutput, StepBatch, StepOutput
+from diffusion_plugin.families import diffusiongemma_moe as moe
 from diffusion_plugin.families import diffusiongemma_vocab as vocab
 from diffusion_plugin.kv_view import FastViews
 from diffusion_plugin.request import Sequence
@@ -104,8 +106,10 @@ class Runner:
             groups = [[r] for r in encoding] if self.sampler == "exact" else _by_length(encoding)
             for group in groups:
                 images = [r.images for r in group]
-                self.adapter.encode([r.cache for r in group], [r.pending for r in group], [r.cur_len for r in group],
-                                    images if any(i is not None for i in images) else None)
+                with _row_tokens(group[0].pending.shape[1]):
+                    self.adapter.encode([r.cache for r in group], [r.pending for r in group],
+                                        [r.cur_len for r in group],
+                                        images if any(i is not None for i in images) else None)
             forward_s += time.perf_counter() - t
         for row in encoding:
             row.images = row.seq.images = None  # in the cache now: the features are freed
@@ -142,7 +146,8 @@ class Runner:
         view, spec = self._views.get([r.seq.seq_id for r in rows], [r.version for r in rows], [r.cache for r in rows])
         token = FAST.set(spec)
         try:
-            return self.adapter.decode_hidden(canvas, view, positions.to(canvas.device), soft)
+            with _row_tokens(C):
+                return self.adapter.decode_hidden(canvas, view, positions.to(canvas.device), soft)
         finally:
             FAST.reset(token)
 
@@ -228,6 +233,16 @@ class Runner:
         stable = len(history) == threshold and all(h == tokens for h in history)
         row.history = (history + [tokens])[-threshold:]
         return stable
+
+
+@contextmanager
+def _row_tokens(n: int):
+    """Tokens per row of a batched pass, for the row-invariant experts (``diffusiongemma_moe``)."""
+    token = moe.ROW_TOKENS.set(n)
+    try:
+        yield
+    finally:
+        moe.ROW_TOKENS.reset(token)
 
 
 def _by_length(rows: list[_Row]) -> list[list[_Row]]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from diffusion_plugin.attention import ATTN_NAME, ENCODE, EncodeCacheView, EncodeSpec, register
+from diffusion_plugin.families import diffusiongemma_moe as moe
 from diffusion_plugin.memory import MemoryShape
 
 # The self-conditioning soft embeddings of the current decoder forward (see decode_hidden).
@@ -70,6 +71,7 @@ class DiffusionGemmaAdapter:
         self.model = model.to(device).eval()
         self.model.set_attn_implementation(ATTN_NAME)
         self.model.model.decoder.self_conditioning.register_forward_pre_hook(_soft_embeddings)
+        moe.install(self.model)  # row-invariant experts in batched passes (fast mode)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         cfg = self.model.config
         self.device = torch.device(device)
