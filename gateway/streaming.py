@@ -94,8 +94,9 @@ def error_event(route: str, err: TandemError) -> str:
     if route.startswith("messages"):
         data = {"type": "error", "error": {"type": anthropic_error_type(err.status), "message": err.message}}
     else:
-        data = {"type": "error", "code": str(err.envelope()["error"]["code"]), "message": err.message,
-                "param": err.param, "sequence_number": -1}
+        info = err.envelope()["error"]  # code: OpenAI's string code when it has one, else the error type
+        data = {"type": "error", "code": info["code"] if isinstance(info["code"], str) else info["type"],
+                "message": err.message, "param": err.param, "sequence_number": -1}
     return f"event: error\ndata: {json.dumps(data)}\n\n"
 
 

@@ -20,6 +20,7 @@ from workers.protocol import DONE, EngineInfo, EngineStats, Item
 
 logger = logging.getLogger(__name__)
 
+MAX_LISTED_ERRORS = 8
 _CONTEXT_MARKERS = ("maximum context length", "context length", "max_model_len", "too long")
 
 
@@ -41,11 +42,19 @@ def build_vllm_args(model: str, source: str, engine_args: dict[str, Any]) -> arg
 
 
 def _validation_error(err: ValidationError) -> TandemError:
-    first = err.errors()[0]
-    loc = [str(p) for p in first["loc"]]
+    """The first error leads (and names the field); the others follow, as vLLM's server lists
+    every one: for a field of several accepted shapes (``prompt``) the one that applies may not
+    be first (nested token ids: "Input should be greater than or equal to 0")."""
+    errors = err.errors()
+    loc = [str(p) for p in errors[0]["loc"]]
     param = loc[0] if loc else None
-    where = ".".join(loc) or "body"
-    return invalid(f"{where}: {first['msg']}", param=param)
+    parts = []
+    for e in errors[:MAX_LISTED_ERRORS]:
+        part = f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+        if part not in parts:
+            parts.append(part)
+    more = len(errors) - MAX_LISTED_ERRORS
+    return invalid("; ".join(parts) + (f"; and {more} more" if more > 0 else ""), param=param)
 
 
 def _from_vllm_error(resp: Any) -> TandemError:

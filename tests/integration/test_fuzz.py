@@ -105,6 +105,40 @@ def test_schemathesis_generation_routes(stack, api, before, path, mode):
         assert sum(n for s, n in statuses.items() if 400 <= s < 500) > 0
 
 
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
+                                  "/detokenize"])
+def test_schemathesis_more_routes(stack, api, before, path):
+    """The routes besides chat and completions: never a 5xx; errors in the OpenAI envelope, or
+    in Anthropic's shape on /v1/messages*. Fewer examples (same code path as the two above)."""
+    op = api[path]["POST"]
+    statuses: Counter = Counter()
+    failures: list[str] = []
+    anthropic = path.startswith("/v1/messages")
+
+    @settings(max_examples=max(EXAMPLES // 3, 5), deadline=None, database=None, derandomize=True,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE)
+           | op.as_strategy(generation_mode=GenerationMode.NEGATIVE))
+    def run(case):
+        _bound(case.body)
+        if isinstance(case.body, dict) and type(case.body.get("max_output_tokens")) is int:
+            case.body["max_output_tokens"] = min(case.body["max_output_tokens"], 16)
+        r = case.call(base_url=stack.url, timeout=120)
+        statuses[r.status_code] += 1
+        what = json.dumps(case.body, default=str)[:300]
+        if anthropic and r.status_code >= 400:
+            if r.status_code >= 500 or r.json().get("type") != "error" or set(r.json()["error"]) != {"type",
+                                                                                                  "message"}:
+                failures.append(f"{what}: {r.status_code} {r.text[:300]}")
+        else:
+            _check(r, failures, what)
+
+    run()
+    print(f"\n{path}: {dict(statuses)}")
+    assert not failures, "\n".join(failures[:10])
+    assert sum(statuses.values()) >= 5
+
+
 def test_schemathesis_other_operations(stack, api, before):
     failures: list[str] = []
     operations = [r.ok() for r in api.get_all_operations()]

@@ -127,7 +127,7 @@ def test_error_events_take_the_routes_framing():
     anthropic = json.loads(error_event("messages", err).split("data: ", 1)[1])
     assert anthropic == {"type": "error", "error": {"type": "api_error", "message": "boom"}}
     responses = json.loads(error_event("responses", err).split("data: ", 1)[1])
-    assert responses["type"] == "error" and responses["message"] == "boom" and responses["code"] == "500"
+    assert responses["type"] == "error" and responses["message"] == "boom" and responses["code"] == "server_error"
 
 
 def test_new_routes_are_counted_under_their_own_label(gw):

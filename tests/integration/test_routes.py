@@ -1,0 +1,196 @@
+"""The routes `vllm serve` offers besides chat and completions, through the real stack (vLLM on
+tiny-llama in a Ray actor, the diffusion model beside it), with the official SDKs: OpenAI's
+Responses API, Anthropic's Messages API, /tokenize, /detokenize, /version; a route a model
+does not serve; temperature 0 without a seed; errors worded as vLLM words them."""
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+MODEL = "tiny-llama"
+DIFFUSION = "tiny-diffusiongemma"
+MSGS = [{"role": "user", "content": "Tell me about the river."}]
+
+
+def _anthropic(stack) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0)
+
+
+def _post(stack, path: str, body: dict) -> httpx.Response:
+    return httpx.post(stack.url + path, json=body, timeout=120)
+
+
+# -- OpenAI's Responses API -------------------------------------------------------------------
+
+
+def test_responses_create_not_streamed(stack):
+    r = stack.client().responses.create(model=MODEL, input="Tell me about the river.", max_output_tokens=8,
+                                        temperature=0)
+    assert r.object == "response" and r.model == MODEL and r.id.startswith("resp_")
+    assert r.output_text and r.usage.output_tokens == 8
+    assert r.incomplete_details.reason == "max_output_tokens"
+
+
+def test_responses_create_streamed_equals_not_streamed_at_temperature_0(stack):
+    c = stack.client()
+    full = c.responses.create(model=MODEL, input="Tell me about the river.", max_output_tokens=12, temperature=0)
+    events = list(c.responses.create(model=MODEL, input="Tell me about the river.", max_output_tokens=12,
+                                     temperature=0, stream=True))
+    types = [e.type for e in events]
+    assert types[0] == "response.created" and types[-1] in ("response.completed", "response.incomplete")
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 2  # it really streamed
+    assert "".join(deltas) == full.output_text
+    assert events[-1].response.output_text == full.output_text
+    assert events[0].response.id.startswith("resp_")
+
+
+def test_responses_retrieve_and_cancel_unknown_id_say_what_vllm_says(stack):
+    """vLLM stores responses only with VLLM_ENABLE_RESPONSES_API_STORE=1 (off in `vllm serve` by
+    default, and here): retrieval is vLLM's 404, routed to the replica named in the id."""
+    r = stack.client().responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    for call in (lambda c: c.responses.retrieve(r.id), lambda c: c.responses.cancel(r.id)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call(stack.client())
+        assert f"Response with id '{r.id}' not found." in e.value.message
+    got = httpx.get(stack.url + "/v1/responses/resp_nosuchthing", timeout=30)
+    assert got.status_code == 404
+    assert got.json()["error"]["message"] == "Response with id 'resp_nosuchthing' not found."
+
+
+def test_responses_refuses_what_vllm_refuses(stack):
+    with pytest.raises(openai.BadRequestError) as e:
+        stack.client().responses.create(model=MODEL, input="Hi", max_output_tokens=2, temperature=-1)
+    assert e.value.status_code == 400 and "temperature" in e.value.message
+
+
+# -- Anthropic's Messages API ------------------------------------------------------------------
+
+
+def test_messages_create_not_streamed(stack):
+    m = _anthropic(stack).messages.create(model=MODEL, max_tokens=8, messages=MSGS, extra_body={"temperature": 0})
+    assert m.type == "message" and m.role == "assistant" and m.model == MODEL
+    assert m.content[0].type == "text" and m.content[0].text
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 8
+
+
+def test_messages_create_streamed_equals_not_streamed_at_temperature_0(stack):
+    client = _anthropic(stack)
+    full = client.messages.create(model=MODEL, max_tokens=12, messages=MSGS, extra_body={"temperature": 0})
+    with client.messages.stream(model=MODEL, max_tokens=12, messages=MSGS, extra_body={"temperature": 0}) as stream:
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert len(pieces) > 2  # it really streamed
+    assert "".join(pieces) == full.content[0].text == final.content[0].text
+    events = list(client.messages.create(model=MODEL, max_tokens=4, messages=MSGS, stream=True))
+    assert events[0].type == "message_start" and events[-1].type == "message_stop"
+
+
+def test_messages_count_tokens_equals_the_usage_of_the_same_messages(stack):
+    client = _anthropic(stack)
+    counted = client.messages.count_tokens(model=MODEL, messages=MSGS)
+    used = client.messages.create(model=MODEL, max_tokens=1, messages=MSGS)
+    assert counted.input_tokens == used.usage.input_tokens > 0
+
+
+def test_messages_errors_have_anthropics_shape(stack):
+    client = _anthropic(stack)
+    with pytest.raises(anthropic.NotFoundError) as e:  # the gateway's own refusal
+        client.messages.create(model="nope", max_tokens=4, messages=MSGS)
+    assert e.value.body == {"type": "error", "error": {"type": "not_found_error", "message": e.value.body[
+        "error"]["message"]}}
+    assert "nope" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as e:  # the engine's (vLLM's words)
+        client.messages.create(model=MODEL, max_tokens=4, messages=[])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert "empty conversation" in e.value.body["error"]["message"]
+    bad = _post(stack, "/v1/messages", {"model": MODEL, "messages": MSGS})  # no max_tokens
+    assert bad.status_code == 400 and bad.json()["type"] == "error"
+    assert "max_tokens" in bad.json()["error"]["message"]
+
+
+# -- tokenize, detokenize, version ------------------------------------------------------------------
+
+
+def test_tokenize_round_trips_with_detokenize(stack):
+    text = "Good software is simple."
+    tok = _post(stack, "/tokenize", {"model": MODEL, "prompt": text, "add_special_tokens": False})
+    assert tok.status_code == 200, tok.text
+    body = tok.json()
+    assert body["count"] == len(body["tokens"]) > 0 and body["max_model_len"] == 512
+    back = _post(stack, "/detokenize", {"model": MODEL, "tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    chat = _post(stack, "/tokenize", {"model": MODEL, "messages": MSGS})
+    assert chat.status_code == 200 and chat.json()["count"] > body["count"]  # the chat template's tokens
+
+
+def test_tokenize_counts_what_completions_bills(stack):
+    text = "Good software is simple."
+    count = _post(stack, "/tokenize", {"model": MODEL, "prompt": text}).json()["count"]
+    r = stack.client().completions.create(model=MODEL, prompt=text, max_tokens=1)
+    assert r.usage.prompt_tokens == count
+
+
+def test_detokenize_refuses_negative_ids_as_vllm_does(stack):
+    r = _post(stack, "/detokenize", {"model": MODEL, "tokens": [-1]})
+    assert r.status_code == 400
+    assert "greater than or equal to 0" in r.json()["error"]["message"]
+
+
+def test_version(stack):
+    r = httpx.get(stack.url + "/version", timeout=10)
+    assert r.status_code == 200 and r.json()["version"][0].isdigit()
+
+
+# -- a route the model does not serve ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/messages", {"max_tokens": 4, "messages": MSGS}),
+    ("/v1/messages/count_tokens", {"messages": MSGS}),
+])
+def test_diffusion_model_refuses_a_route_it_does_not_serve(stack, path, body):
+    r = _post(stack, path, {"model": DIFFUSION, **body})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert f"POST {path} is not served by model '{DIFFUSION}'" in message
+
+
+# -- temperature 0 without a seed: the same answer twice -----------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_temperature_0_without_seed_is_deterministic(stack, stream):
+    c = stack.client()
+
+    def once() -> str:
+        if not stream:
+            return c.completions.create(model=MODEL, prompt="Good software is", max_tokens=24,
+                                        temperature=0).choices[0].text
+        chunks = c.completions.create(model=MODEL, prompt="Good software is", max_tokens=24, temperature=0,
+                                      stream=True)
+        return "".join(ch.choices[0].text for ch in chunks if ch.choices)
+
+    first, second = once(), once()
+    assert first == second and len(first) > 0
+
+
+# -- errors the gateway answers itself, worded as vLLM words them ----------------------------------
+
+
+def test_unknown_model_is_404_naming_it(stack):
+    r = _post(stack, "/v1/responses", {"model": "nope", "input": "hi"})
+    assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
+
+
+def test_seed_out_of_range_says_what_vllm_says(stack):
+    r = _post(stack, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": 2**64})
+    assert r.status_code == 400
+    assert "less than or equal to 9223372036854775807" in r.json()["error"]["message"]
+
+
+def test_nested_negative_prompt_ids_say_what_vllm_says(stack):
+    r = _post(stack, "/v1/completions", {"model": MODEL, "prompt": [[1, -5]], "max_tokens": 2})
+    assert r.status_code == 400
+    assert "greater than or equal to 0" in r.json()["error"]["message"]
