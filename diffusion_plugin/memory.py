@@ -6,8 +6,8 @@ running the replica out of memory.
 
 A sequence's reservation covers its whole life, computed from the model's shape:
 - its KV cache at its longest (prompt + max_tokens + one canvas, per layer; a sliding layer
-  holds at most ``window`` tokens), twice: the cache itself and the padded view of it the
-  decoder reads (rebuilt per block);
+  holds at most ``window`` tokens), twice: the cache itself and the fast mode's padded view
+  of it (rebuilt per block; the exact mode reads caches in place, so this is conservative);
 - its state held between steps (canvas, self-conditioning soft embedding, stability history);
 - its share of the decoder trunk's activations (a few canvas x hidden tensors, attention scores
   over its keys).

@@ -95,7 +95,7 @@ class Runner:
         for seq_id in batch.admit:
             self.admit(seqs[seq_id])
         forward_s = 0.0
-        # 1. One batched encoder pass (prefills and commits), then each row draws its new canvas.
+        # 1. Encoder passes (prefills and commits), then each row draws its new canvas.
         encoding = [self.rows[s] for s in batch.encode]
         if encoding:
             t = time.perf_counter()
