@@ -219,7 +219,7 @@ class Router:
         if pool is None:
             raise TandemError(
                 ErrorKind.MODEL_NOT_FOUND,
-                f"The model {model!r} does not exist; available: {', '.join(sorted(self.pools))}",
+                f"The model `{model}` does not exist. Valid aliases: {', '.join(sorted(self.pools))}.",  # vLLM's words
                 "model",
             )
         return pool

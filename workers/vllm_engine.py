@@ -62,6 +62,8 @@ def _from_vllm_error(resp: Any) -> TandemError:
     info = resp.error
     message = info.message
     kind = kind_for_status(int(info.code))
+    if kind is ErrorKind.MODEL_NOT_FOUND and info.param != "model":  # e.g. a response id
+        kind = ErrorKind.NOT_FOUND
     if kind is ErrorKind.INVALID_REQUEST and any(m in message.lower() for m in _CONTEXT_MARKERS):
         kind = ErrorKind.CONTEXT_TOO_LONG
     return TandemError(kind, message, info.param)

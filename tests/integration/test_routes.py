@@ -54,6 +54,9 @@ def test_responses_retrieve_and_cancel_unknown_id_say_what_vllm_says(stack):
         with pytest.raises(openai.NotFoundError) as e:
             call(stack.client())
         assert f"Response with id '{r.id}' not found." in e.value.message
+    with pytest.raises(openai.NotFoundError) as e:  # vLLM's answer, not a gateway failure
+        stack.client().responses.create(model=MODEL, input="Hi", max_output_tokens=2, previous_response_id=r.id)
+    assert f"Response with id '{r.id}' not found." in e.value.message
     got = httpx.get(stack.url + "/v1/responses/resp_nosuchthing", timeout=30)
     assert got.status_code == 404
     assert got.json()["error"]["message"] == "Response with id 'resp_nosuchthing' not found."
@@ -179,9 +182,10 @@ def test_temperature_0_without_seed_is_deterministic(stack, stream):
 # -- errors the gateway answers itself, worded as vLLM words them ----------------------------------
 
 
-def test_unknown_model_is_404_naming_it(stack):
-    r = _post(stack, "/v1/responses", {"model": "nope", "input": "hi"})
-    assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/completions", "/tokenize"])
+def test_unknown_model_is_vllms_404(stack, path):
+    r = _post(stack, path, {"model": "nope", "input": "hi", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["message"].startswith("The model `nope` does not exist.")
 
 
 def test_seed_out_of_range_says_what_vllm_says(stack):
