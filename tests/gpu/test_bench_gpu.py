@@ -27,6 +27,9 @@ def test_diffusion_benchmark_runs_on_gpu(tmp_path, shape_path):
     assert set(results) == {"hf sequential", "hf static batch", "tandem exact block", "tandem fast block"}
     for name, levels in results.items():
         for c, r in levels.items():
-            assert r.get("skipped") or r["tokens_per_s"] > 0, (name, c, r)
+            if name == "hf static batch" and "skipped" in r:
+                continue  # its memory guard (host RSS): not expected on a GPU node, but not a failure
+            assert "skipped" not in r and r["tokens_per_s"] > 0, (name, c, r)
             assert not r.get("errors"), (name, c, r)
+        assert set(levels) == ({"2"} if name == "hf static batch" else {"1", "2"}), (name, levels)
     assert "device_peak_growth_per_row_mb" in results["hf sequential"]["1"]
