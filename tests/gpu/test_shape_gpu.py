@@ -25,11 +25,12 @@ ARRIVALS = {0: [0, 1], 2: [2], 5: [3]}  # step -> prompts arriving then (they jo
 STEPS = 4  # denoise steps per block
 MAX_TOKENS = 300  # two blocks of 256 (a commit pass), truncated
 GIB = 1 << 30
+DEVICE = "cuda"
 
 
 @pytest.fixture(scope="module")
 def adapter(shape_path):
-    return DiffusionGemmaAdapter(shape_path, device="cuda")
+    return DiffusionGemmaAdapter(shape_path, device=DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +63,9 @@ def _reference(path: str, prompt: list[int], seed: int, knobs: dict, eos: tuple[
                max_tokens: int = MAX_TOKENS) -> list[int]:
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
     torch.manual_seed(seed)  # seeds the CUDA generator generate() draws from
-    out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=max_tokens,
+    out = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=max_tokens,
                          max_denoising_steps=STEPS, **knobs).sequences[0, len(prompt):].tolist()
     cut = next((i for i, t in enumerate(out) if t in eos), None)
     return (out[:cut] if cut is not None else out)[:max_tokens]
