@@ -470,6 +470,18 @@ def _model(args) -> tuple[str, str, list[str]]:
     return Path(name).name, path, samplers
 
 
+def code_version() -> str:
+    """The commit the benchmark runs (servers import the working tree when they start: a tree
+    edited during a run mixes versions, hence "dirty")."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        marker = root / ".commit"  # a `git archive` snapshot may carry one
+        return marker.read_text().strip() if marker.exists() else "unknown"
+
+
 def levels_for(args, max_batch: int = 0) -> list[int]:
     if args.concurrency != "1,8,32":  # the AR default: not given
         return [int(x) for x in args.concurrency.split(",")]
@@ -489,7 +501,7 @@ def main(args) -> int:
     boundaries = [b.strip() for b in args.boundaries.split(",") if b.strip()]
     targets = [(s, b) for s in samplers for b in boundaries]
     results: dict[str, dict] = {}
-    t_start = time.time()
+    t_start, version = time.time(), code_version()
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         work = Path(tmp)
         # HF first, in its own process: nothing of a server (Ray, its actor) runs beside it.
@@ -512,11 +524,12 @@ def main(args) -> int:
                 results.setdefault(f"tandem {s} {b}", {}).update(res)
     steps = f"{args.steps} denoise steps" if args.steps else "the model's default diffusion settings"
     print(f"\nstreaming chat, {name}, {args.max_tokens} output tokens/request, {steps}, max_batch {max_batch}, "
-          f"one torch thread per engine; {time.time() - t_start:.0f} s\n")
+          f"one torch thread per engine; code {version}; {time.time() - t_start:.0f} s\n")
     print(format_table(results, levels))
     if args.out:
         Path(args.out).write_text(json.dumps({"model": name, "levels": levels, "max_tokens": args.max_tokens,
-                                              "steps": args.steps, "max_batch": max_batch, "results": results},
+                                              "steps": args.steps, "max_batch": max_batch, "code": version,
+                                              "results": results},
                                              indent=1, default=str))
     return 0
 

@@ -147,3 +147,10 @@ def test_engine_sampler_summarises_reservations_per_row():
     assert s.summary() == {"reserved_per_row_mb": 50, "waiting_for_memory_max": 3}
     s.samples = [{"running": 1}]  # an engine without memory figures
     assert s.summary() == {}
+
+
+def test_code_version_names_a_commit():
+    from gateway.bench_diffusion import code_version
+
+    v = code_version()
+    assert v and " " not in v
