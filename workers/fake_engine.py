@@ -104,6 +104,7 @@ class FakeEngine:
             await asyncio.sleep(self.token_delay_s)
             if self.fail == "midstream" and i == 1:
                 raise RuntimeError("fake engine failed mid-stream")
+            self.progress += 1
             yield _event({"type": "response.output_text.delta", "sequence_number": i + 1, "item_id": "msg_1",
                           "output_index": 0, "content_index": 0, "delta": (" " if i else "") + w})
         yield _event({"type": "response.completed", "sequence_number": len(words) + 1, "response": resp})

@@ -13,6 +13,7 @@ from gateway.errors import ErrorKind, TandemError
 from gateway.generate import replica_of_response, response_id
 from gateway.streaming import error_event
 from tests.unit.gateway_server import fake_gateway
+from tests.waiting import wait_for
 from workers.fake_engine import FakeEngine
 from workers.protocol import ROUTES, served_routes
 
@@ -145,3 +146,25 @@ def test_openapi_documents_the_new_routes(gw):
     assert "/version" in paths
     schema = paths["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert schema["required"] == ["model", "input"]
+
+
+def test_a_responses_stream_the_client_leaves_is_aborted_in_the_engine():
+    with fake_gateway({"num_tokens": 1000, "token_delay_s": 0.01}) as (url, service, deployment):
+        engine = next(iter(deployment.engines.values()))
+        actor = service.router.all_replicas()[0].handle.actor
+        with httpx.stream("POST", url + "/v1/responses", json={"model": "fake", "input": "x", "stream": True},
+                          timeout=10) as r:
+            lines = r.iter_lines()
+            assert next(lines) == "event: response.created"
+            wait_for(lambda: engine.progress > 0, "tokens are generated")
+        wait_for(lambda: not any(o.tasks for o in actor._channels.values()),
+                 "the abandoned responses stream ends in the replica")
+        assert engine.progress < 1000  # aborted, not finished
+
+
+def test_the_request_timeout_holds_on_the_new_routes():
+    with fake_gateway({"num_tokens": 1000, "token_delay_s": 0.05}, extra={"limits": {"request_timeout_s": 0.5}}
+                      ) as (url, _, _):
+        r = httpx.post(url + "/v1/responses", json={"model": "fake", "input": "x", "stream": True}, timeout=30)
+    assert r.status_code == 200 and r.text.rstrip().split("\n\n")[-1].startswith("event: error")
+    assert "request_timeout_s" in r.text
