@@ -184,7 +184,7 @@ class RateLimiter:
             raise RateLimited(math.ceil(wait), f"rate limit reached for API key {key_name!r}: "
                               f"{bucket.capacity} requests per minute; retry in {math.ceil(wait)} s")
 
-    def check_tokens(self, key_name: str | None, body: Any) -> None:
+    def check_tokens(self, key_name: str | None, body: Any, generates: bool = True) -> None:
         """Called by a generation route once its JSON body is parsed (after ``check_limits``),
         once per request that passed AuthMiddleware. Takes ``estimate_tokens(body)`` from the
         key's bucket, or raises RateLimited (429), or LimitExceeded (400) when the request alone
@@ -193,7 +193,7 @@ class RateLimiter:
         bucket = self._tokens.get(key_name) if key_name is not None else None
         if bucket is None:
             return
-        need = estimate_tokens(body)
+        need = estimate_tokens(body, generates)
         wait = bucket.try_take(need, self.clock())
         if not wait:
             return

@@ -21,7 +21,7 @@ from gateway.replicas import Replica
 from gateway.router import ModelPool, Slot, request_cost
 from gateway.service import Service
 from gateway.streaming import ClientGone, event_body, sse_body, until_disconnect
-from workers.protocol import DONE_ROUTES, route_not_served
+from workers.protocol import DONE_ROUTES, GENERATING_ROUTES, route_not_served
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +82,10 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
     pool = service.router.pool(body.get("model"))
     _check_route(pool, route)
     check_limits(body, config.limits_for(pool.name), route)
-    request.app.state.limiter.check_tokens(getattr(request.state, "tandem_key_name", None), body)
+    generates = route in GENERATING_ROUTES
+    request.app.state.limiter.check_tokens(getattr(request.state, "tandem_key_name", None), body, generates)
     timeout_at = _timeout_at(config.limits.request_timeout_s)
-    cost = request_cost(pool.kind, body)
+    cost = request_cost(pool.kind, body, generates)
     key = _session_key(request, body, config.model(pool.name))
     if pin is None and route == "responses":
         pin = replica_of_response(service, body.get("previous_response_id"), pool.name)

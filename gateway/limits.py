@@ -189,13 +189,17 @@ def count(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
-def estimate_tokens(body: Any) -> int:
-    """What a request may cost: ceil(prompt or message characters / 4) + token ids given + the
-    output it may produce, (max_completion_tokens or max_tokens or 256) x max(n, best_of)."""
+def estimate_tokens(body: Any, generates: bool = True) -> int:
+    """What a request may cost: ceil(prompt, message or input characters / 4) + token ids given +
+    the output it may produce, (max_completion_tokens or max_tokens or max_output_tokens or 256)
+    x max(n, best_of); no output for a route that generates none (``generates``: tokenize...)."""
     if not isinstance(body, dict):
-        return DEFAULT_MAX_OUTPUT_TOKENS
+        return DEFAULT_MAX_OUTPUT_TOKENS if generates else 1
     chars, ids = prompt_size(body.get("prompt"))
-    chars += messages_chars(body.get("messages"))
-    out = count(body.get("max_completion_tokens")) or count(body.get("max_tokens")) or DEFAULT_MAX_OUTPUT_TOKENS
+    chars += messages_chars(body.get("messages")) + _input_chars(body.get("input"))
+    if not generates:
+        return max(1, math.ceil(chars / CHARS_PER_TOKEN) + ids)
+    out = (count(body.get("max_completion_tokens")) or count(body.get("max_tokens"))
+           or count(body.get("max_output_tokens")) or DEFAULT_MAX_OUTPUT_TOKENS)
     copies = max(count(body.get("n")) or 1, count(body.get("best_of")) or 1)
     return math.ceil(chars / CHARS_PER_TOKEN) + ids + out * copies

@@ -33,14 +33,14 @@ from gateway.replicas import Replica, ReplicaState
 RATE_WINDOW_S = 30.0
 
 
-def request_cost(kind: str, body: dict) -> float:
+def request_cost(kind: str, body: dict, generates: bool = True) -> float:
     """What one request weighs on a replica. Autoregressive: the tokens it may hold (the same
     estimate the per-key token limit uses). Diffusion: the batch rows it takes (``n``). Never
     fails: validation is the engine's job."""
     if kind == "diffusion":
         n = body.get("n")
         return float(n if isinstance(n, int) and 1 <= n <= 128 else 1)
-    return float(estimate_tokens(body))
+    return float(estimate_tokens(body, generates))
 
 
 @dataclass(eq=False)

@@ -43,6 +43,8 @@ ROUTES: dict[str, tuple[str, str]] = {
 }
 # Routes whose streams are OpenAI's ``data: ...`` events ending in ``[DONE]``.
 DONE_ROUTES = frozenset({"chat", "completions"})
+# Routes that generate tokens (the others cost the gateway's token budgets only their input).
+GENERATING_ROUTES = frozenset({"chat", "completions", "responses", "messages"})
 Item = TandemError | dict | str
 DONE = "data: [DONE]\n\n"
 

@@ -168,3 +168,12 @@ def test_the_request_timeout_holds_on_the_new_routes():
         r = httpx.post(url + "/v1/responses", json={"model": "fake", "input": "x", "stream": True}, timeout=30)
     assert r.status_code == 200 and r.text.rstrip().split("\n\n")[-1].startswith("event: error")
     assert "request_timeout_s" in r.text
+
+
+def test_token_estimates_of_the_new_routes():
+    from gateway.limits import estimate_tokens
+
+    assert estimate_tokens({"input": "a" * 40, "max_output_tokens": 10}) == 10 + 10
+    assert estimate_tokens({"input": [{"role": "user", "content": "a" * 8}]}) == 2 + 256
+    assert estimate_tokens({"prompt": "a" * 40}, generates=False) == 10  # tokenize: no output
+    assert estimate_tokens({"tokens": [1, 2]}, generates=False) == 1
