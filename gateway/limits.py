@@ -79,10 +79,13 @@ def show(v: int | float) -> str:
     return str(v) if isinstance(v, float) or -(10**30) < v < 10**30 else "a huge number"
 
 
-def _check_number(body: dict, name: str, limit: int | None) -> None:
+def _check_number(body: dict, name: str, limit: int | None, setting: str | None = None) -> None:
     v = body.get(name)
     if limit is None or isinstance(v, bool) or not isinstance(v, int | float):
         return
+    if v > limit and setting:  # vLLM's own wording for its n limit (clients match on it)
+        raise LimitExceeded(f"{name} must be at most {limit}, got {show(v)}. To increase this limit, set "
+                            f"{setting} in the server's configuration.", name)
     if v > limit:
         raise LimitExceeded(f"{name}: {show(v)} exceeds the limit of {limit}", name)
 
@@ -111,7 +114,7 @@ def check_limits(body: Any, limits: LimitsConfig, route: str) -> None:
         _check_size("input", len(inputs), "input items", limits.max_messages)
     _check_size("input", _input_chars(inputs), "characters of text", limits.max_prompt_chars)
     for name in ("n", "best_of"):
-        _check_number(body, name, limits.max_n)
+        _check_number(body, name, limits.max_n, "limits.max_n")
     for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         _check_number(body, name, limits.max_tokens_ceiling)
 

@@ -79,7 +79,7 @@ def test_rate_limit_is_per_key_429_with_retry_after_then_recovers(secured):
 
 @pytest.mark.parametrize("body, param, words", [
     ({"messages": [{"role": "user", "content": "x"}] * 9}, "messages", "limit of 8"),
-    ({"messages": MSG, "n": 3}, "n", "limit of 2"),
+    ({"messages": MSG, "n": 3}, "n", "n must be at most 2, got 3"),  # vLLM's wording
     ({"messages": MSG, "max_tokens": 51}, "max_tokens", "limit of 50"),  # the model's own ceiling wins
     ({"messages": MSG, "max_completion_tokens": 51}, "max_completion_tokens", "limit of 50"),
     ({"messages": [{"role": "user", "content": "x" * 2001}]}, "messages", "limit of 2000"),

@@ -396,13 +396,13 @@ SMALL = LimitsConfig(max_messages=3, max_n=2, max_tokens_ceiling=100, max_prompt
     ("completions", {"prompt": "a" * 11}, "prompt", "prompt: 11 characters of text exceed the limit of 10"),
     ("completions", {"prompt": ["aaaaaa", "bbbbbb"]}, "prompt", "prompt: 12 characters of text exceed the limit of 10"),
     ("completions", {"prompt": ["a", "b", [1], "c"]}, "prompt", "prompt: 4 prompts exceed the limit of 3"),
-    ("chat", {"n": 3}, "n", "n: 3 exceeds the limit of 2"),
-    ("completions", {"best_of": 5}, "best_of", "best_of: 5 exceeds the limit of 2"),
+    ("chat", {"n": 3}, "n", "n must be at most 2, got 3. To increase this limit, set limits.max_n in the server's configuration."),
+    ("completions", {"best_of": 5}, "best_of", "best_of must be at most 2, got 5. To increase this limit, set limits.max_n in the server's configuration."),
     ("chat", {"max_tokens": 101}, "max_tokens", "max_tokens: 101 exceeds the limit of 100"),
     ("chat", {"max_completion_tokens": 100.5}, "max_completion_tokens",
      "max_completion_tokens: 100.5 exceeds the limit of 100"),
-    ("chat", {"n": float("inf")}, "n", "n: inf exceeds the limit of 2"),
-    ("chat", {"n": 10**100}, "n", "n: a huge number exceeds the limit of 2"),
+    ("chat", {"n": float("inf")}, "n", "n must be at most 2, got inf. To increase this limit, set limits.max_n in the server's configuration."),
+    ("chat", {"n": 10**100}, "n", "n must be at most 2, got a huge number. To increase this limit, set limits.max_n in the server's configuration."),
 ])
 def test_check_limits_names_the_field_and_the_limit(route, body, param, message):
     with pytest.raises(LimitExceeded) as e:
@@ -703,7 +703,7 @@ def test_input_limits_through_the_app(body, param):
     app = make_app(limits=SMALL)
     r = one(app, "POST", "/v1/chat/completions", json={"model": "m", **body}, headers=bearer())
     err = assert_envelope(r, 400, "invalid_request_error", 400, param)
-    assert err["message"].startswith(f"{param}: ")
+    assert err["message"].startswith((f"{param}: ", f"{param} must be at most "))
 
 
 def test_install_security_orders_cors_auth_body_limit():
