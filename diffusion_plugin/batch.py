@@ -24,6 +24,9 @@ class RowOutput:
     block_done: bool  # stable-and-confident, or the last step of the block
     committed: list[int] | None = None  # the block's tokens (argmax canvas) when block_done
     preview: list[int] | None = None  # argmax canvas after this step, if the sequence wants previews
+    # With block_done, for a sequence that asked for logprobs: per position of the block, the
+    # committed token's logprob and the top k (token id, logprob) pairs, most probable first.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass

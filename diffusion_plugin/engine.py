@@ -119,103 +119,79 @@ class DiffusionEngine:
         self.image_stats["image_requests"] += 1
         return messages, embeds
 
-    async def _serve(self, body: dict, request_id: str, chat: bool) -> AsyncIterator[Item]:
-        try:
-            req = P.parse(P.ChatBody if chat else P.CompletionBody, body)
-            images = None
-            if chat:
-                messages, images = await self._images(req.messages)
-                prompt_ids = self._prompt_ids(messages, None)
-            else:
-                prompt_ids = self._prompt_ids(None, req.prompt)
-            if images is not None:
-                try:
-                    prompt_ids = self.adapter.expand_image_tokens(prompt_ids, images.num_soft_tokens)
-                except ValueError as e:
-                    raise invalid(f"messages: {e}", "messages") from None
-            knobs = P.resolve(req, self.adapter.defaults())
-        except TandemError as e:
-            yield e
-            return
-        max_tokens = req.max_completion_tokens or req.max_tokens or 256
+    async def _prepare(self, req, chat: bool, messages: list | None = None) -> tuple[list[int], object | None, dict]:
+        """The prompt's ids, its encoded images (or None) and the effective knobs; raises TandemError."""
+        images = None
+        if chat:
+            messages, images = await self._images(req.messages if messages is None else messages)
+            prompt_ids = self._prompt_ids(messages, None)
+        else:
+            prompt_ids = self._prompt_ids(None, req.prompt)
+        if images is not None:
+            try:
+                prompt_ids = self.adapter.expand_image_tokens(prompt_ids, images.num_soft_tokens)
+            except ValueError as e:
+                raise invalid(f"messages: {e}", "messages") from None
+        return prompt_ids, images, P.resolve(req, self.adapter.defaults())
+
+    def _check_fits(self, prompt_ids: list[int], max_tokens: int, knobs: dict, field: str,
+                    limit_field: str = "max_tokens") -> None:
         limit = self.adapter.max_position
         if limit and len(prompt_ids) + max_tokens + self.adapter.canvas_length > limit:
-            field = "messages" if chat else "prompt"
-            yield TandemError(ErrorKind.CONTEXT_TOO_LONG,
+            raise TandemError(ErrorKind.CONTEXT_TOO_LONG,
                               f"This model's maximum context length is {limit} tokens; the prompt has "
-                              f"{len(prompt_ids)} and max_tokens is {max_tokens}.", field)
-            return
+                              f"{len(prompt_ids)} and {limit_field} is {max_tokens}.", field)
         if not self.loop.scheduler.fits_alone(Sequence("probe", prompt_ids, SamplingParams(
                 max_tokens=max_tokens, seed=0, **{k: v for k, v in knobs.items() if k != "seed"}))):
-            field = "messages" if chat else "prompt"
             longest = self.memory.max_prompt_tokens(max_tokens)
             budget = self.memory.budget_bytes / GIB
             if longest > 0:
-                msg = (f"{field}: the prompt ({len(prompt_ids)} tokens) with max_tokens {max_tokens} needs more than "
-                       f"this replica's memory budget ({budget:.2f} GiB); with that max_tokens the prompt may have "
-                       f"at most {longest} tokens")
-            else:
-                msg = (f"max_tokens: {max_tokens} needs more than this replica's memory budget ({budget:.2f} GiB) "
-                       f"even with an empty prompt")
-                field = "max_tokens"
-            yield TandemError(ErrorKind.CONTEXT_TOO_LONG, msg, field)
-            return
+                raise TandemError(ErrorKind.CONTEXT_TOO_LONG,
+                                  f"{field}: the prompt ({len(prompt_ids)} tokens) with {limit_field} {max_tokens} "
+                                  f"needs more than this replica's memory budget ({budget:.2f} GiB); with that "
+                                  f"{limit_field} the prompt may have at most {longest} tokens", field)
+            raise TandemError(ErrorKind.CONTEXT_TOO_LONG,
+                              f"{limit_field}: {max_tokens} needs more than this replica's memory budget "
+                              f"({budget:.2f} GiB) even with an empty prompt", limit_field)
+
+    async def _generate(self, request_id: str, prompt_ids: list[int], images, knobs: dict, max_tokens: int, n: int,
+                        stops: list[str], previews: bool, logprobs: int | None) -> AsyncIterator[tuple]:
+        """The request's sequences run: yields ("preview", index, preview dict), ("block", index,
+        delta text, logprob entries or None) and ("finished", index, last delta, finish_reason),
+        then ("usage", prompt_tokens, completion_tokens). Aborts its sequences when closed."""
         seed = knobs.pop("seed")
         seqs = [Sequence(seq_id=f"{request_id}-{i}", prompt_ids=list(prompt_ids),
                          params=SamplingParams(max_tokens=max_tokens, seed=seed + i,
                                                eos_token_ids=self.adapter.eos_token_ids,
-                                               previews=req.diffusion.previews and req.stream, **knobs),
+                                               previews=previews, logprobs=logprobs, **knobs),
                          images=images)
-                for i in range(req.n)]
+                for i in range(n)]
         self._requests[request_id] = [s.seq_id for s in seqs]
         merged: asyncio.Queue = asyncio.Queue()
         pumps = [asyncio.create_task(_forward(self.loop.submit(s), merged)) for s in seqs]
-        texts = {s.seq_id: _Text(self.adapter.tokenizer, req.stops()) for s in seqs}
+        texts = {s.seq_id: _Text(self.adapter.tokenizer, stops) for s in seqs}
         finished = 0
-        created = int(time.time())
-        rid = ("chatcmpl-" if chat else "cmpl-") + request_id
         try:
-            if req.stream and chat:
-                for i in range(req.n):
-                    yield _sse(_chunk(rid, created, self.model, chat, i, {"role": "assistant", "content": ""}))
             while finished < len(seqs):
                 ev: SeqEvent = await merged.get()
                 index = seqs.index(ev.seq)
                 text = texts[ev.seq.seq_id]
-                if ev.kind == "preview" and req.stream:
-                    preview = {"block": ev.seq.block, "step": ev.step,
-                               "max_steps": ev.seq.params.max_denoising_steps, "text": text.preview(ev.new_ids)}
-                    yield _sse(_chunk(rid, created, self.model, chat, index, {}, extra={"diffusion_preview": preview}))
+                if ev.kind == "preview" and previews:
+                    yield ("preview", index, {"block": ev.seq.block, "step": ev.step,
+                                              "max_steps": ev.seq.params.max_denoising_steps,
+                                              "text": text.preview(ev.new_ids)})
                 elif ev.kind == "block":
-                    delta, stopped = text.add(ev.new_ids)
+                    delta, stopped, entries = text.add(ev.new_ids, ev.logprobs)
                     if stopped:
                         self.loop.abort(ev.seq.seq_id, SeqStatus.FINISHED_STOPPED)
-                    if req.stream and delta:
-                        yield _sse(_chunk(rid, created, self.model, chat, index, {"content": delta}))
+                    if delta or entries:
+                        yield ("block", index, delta, entries)
                 elif ev.kind == "finished":
                     finished += 1
                     if ev.seq.status is SeqStatus.FINISHED_ERROR:
                         raise TandemError(ErrorKind.ENGINE_ERROR, f"the diffusion batch failed: {ev.seq.error}")
-                    if req.stream:
-                        delta = text.flush()
-                        yield _sse(_chunk(rid, created, self.model, chat, index,
-                                          {"content": delta} if delta else {}, finish=_finish(ev.seq, text)))
-            usage = {"prompt_tokens": len(prompt_ids) * len(seqs),
-                     "completion_tokens": sum(texts[s.seq_id].num_tokens for s in seqs)}
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            if req.stream:
-                if req.include_usage():
-                    yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                "created": created, "model": self.model, "choices": [], "usage": usage})
-                yield DONE
-            else:
-                choices = []
-                for i, s in enumerate(seqs):
-                    t = texts[s.seq_id]
-                    body = {"message": {"role": "assistant", "content": t.text}} if chat else {"text": t.text}
-                    choices.append({"index": i, **body, "logprobs": None, "finish_reason": _finish(s, t)})
-                yield {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                       "model": self.model, "choices": choices, "usage": usage}
+                    yield ("finished", index, text.flush(), _finish(ev.seq, text))
+            yield ("usage", len(prompt_ids) * len(seqs), sum(texts[s.seq_id].num_tokens for s in seqs))
         finally:
             for p in pumps:
                 p.cancel()
@@ -223,6 +199,114 @@ class DiffusionEngine:
                 if not s.status.finished:
                     self.loop.abort(s.seq_id)
             self._requests.pop(request_id, None)
+
+    async def _serve(self, body: dict, request_id: str, chat: bool) -> AsyncIterator[Item]:
+        try:
+            req = P.parse(P.ChatBody if chat else P.CompletionBody, body)
+            prompt_ids, images, knobs = await self._prepare(req, chat)
+            max_tokens = req.output_limit() or 256
+            self._check_fits(prompt_ids, max_tokens, knobs, "messages" if chat else "prompt")
+        except TandemError as e:
+            yield e
+            return
+        k = req.top_logprobs_k()
+        tok = self.adapter.tokenizer
+        created = int(time.time())
+        rid = ("chatcmpl-" if chat else "cmpl-") + request_id
+        texts = [""] * req.n
+        entries: list[list] = [[] for _ in range(req.n)]
+        finish = [None] * req.n
+        gen = self._generate(request_id, prompt_ids, images, knobs, max_tokens, req.n, req.stops(),
+                             req.diffusion.previews and req.stream, k)
+        try:
+            if req.stream and chat:
+                for i in range(req.n):
+                    yield _sse(_chunk(rid, created, self.model, chat, i, {"role": "assistant", "content": ""}))
+            async for ev in gen:
+                if ev[0] == "preview":
+                    yield _sse(_chunk(rid, created, self.model, chat, ev[1], {}, extra={"diffusion_preview": ev[2]}))
+                elif ev[0] == "block":
+                    _, i, delta, lps = ev
+                    offset = len(texts[i])
+                    texts[i] += delta
+                    if lps is not None:
+                        entries[i].extend(lps)
+                    if req.stream:
+                        lp = None if lps is None else _logprobs(tok, lps, k, chat, offset)
+                        yield _sse(_chunk(rid, created, self.model, chat, i, {"content": delta}, logprobs=lp))
+                elif ev[0] == "finished":
+                    _, i, delta, finish[i] = ev
+                    texts[i] += delta
+                    if req.stream:
+                        yield _sse(_chunk(rid, created, self.model, chat, i, {"content": delta} if delta else {},
+                                          finish=finish[i]))
+                else:
+                    usage = {"prompt_tokens": ev[1], "completion_tokens": ev[2], "total_tokens": ev[1] + ev[2]}
+        except TandemError as e:
+            yield e
+            return
+        finally:
+            await gen.aclose()
+        if req.stream:
+            if req.include_usage():
+                yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": created, "model": self.model, "choices": [], "usage": usage})
+            yield DONE
+            return
+        choices = []
+        for i in range(req.n):
+            out = {"message": {"role": "assistant", "content": texts[i]}} if chat else {"text": texts[i]}
+            lp = None if k is None else _logprobs(tok, entries[i], k, chat, 0)
+            choices.append({"index": i, **out, "logprobs": lp, "finish_reason": finish[i]})
+        yield {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+               "model": self.model, "choices": choices, "usage": usage}
+
+    # -- the Responses API, tokenize, detokenize ------------------------------------------------
+    def responses(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        from diffusion_plugin.responses import serve_responses
+
+        return serve_responses(self, body, request_id)
+
+    async def tokenize(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        """vLLM's /tokenize: ``prompt`` (add_special_tokens, default true) or ``messages`` through
+        the model's chat template (add_generation_prompt, default true); return_token_strs."""
+        try:
+            req = P.parse(P.TokenizeBody, body)
+            tok = self.adapter.tokenizer
+            if req.messages is not None:
+                if req.prompt is not None:
+                    raise invalid("give either prompt or messages, not both", param="prompt")
+                messages, _ = extract_images(req.messages, self.image_limits)
+                try:
+                    text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                   continue_final_message=req.continue_final_message,
+                                                   tokenize=False)
+                except Exception as e:  # noqa: BLE001 - a malformed message is the client's error
+                    raise invalid(f"messages: cannot apply the chat template: {e}", param="messages") from None
+                ids = tok(text, add_special_tokens=req.add_special_tokens).input_ids
+            elif req.prompt is not None:
+                ids = tok(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+            else:
+                raise invalid("prompt: field required (or messages)", param="prompt")
+        except TandemError as e:
+            yield e
+            return
+        out = {"count": len(ids), "max_model_len": self.adapter.max_position, "tokens": list(ids),
+               "token_strs": tok.convert_ids_to_tokens(list(ids)) if req.return_token_strs else None}
+        yield out
+
+    async def detokenize(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        """vLLM's /detokenize: ``tokens`` -> ``prompt`` (special tokens kept, so it round-trips)."""
+        try:
+            req = P.parse(P.DetokenizeBody, body)
+            vocab_size = len(self.adapter.tokenizer)
+            bad = next((t for t in req.tokens if t >= vocab_size), None)
+            if bad is not None:
+                raise invalid(f"tokens: token id {bad} is out of vocabulary (size {vocab_size})", param="tokens")
+        except TandemError as e:
+            yield e
+            return
+        yield {"prompt": self.adapter.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     async def abort(self, request_id: str) -> bool:
         ids = self._requests.get(request_id, [])
@@ -271,9 +355,11 @@ class _Text:
     def num_tokens(self) -> int:
         return len(self.ids)
 
-    def add(self, new_ids: list[int]) -> tuple[str, bool]:
+    def add(self, new_ids: list[int], logprobs: list | None = None) -> tuple[str, bool, list | None]:
+        """The new text, whether a stop string ended it, and the logprob entries (id, logprob,
+        top) of the tokens kept (a stop string drops those whose text starts after it)."""
         if self.stopped:
-            return "", True
+            return "", True, [] if logprobs is not None else None
         self.ids.extend(new_ids)
         self.text = self.tok.decode(self.ids, skip_special_tokens=True)
         for stop in self.stops:
@@ -284,7 +370,19 @@ class _Text:
         # Hold back a trailing incomplete UTF-8 sequence until the next block completes it.
         safe = len(self.text) if self.stopped else len(self.text.rstrip("\ufffd"))
         delta, self.sent = self.text[self.sent:safe], max(self.sent, safe)
-        return delta, self.stopped
+        entries = None
+        if logprobs is not None:
+            entries = [(t, lp, top) for t, (lp, top) in zip(new_ids, logprobs, strict=False)]
+            if self.stopped:
+                keep = len(self.tok.decode(self.ids[:len(self.ids) - len(new_ids)], skip_special_tokens=True))
+                kept = []
+                for e in entries:
+                    if keep >= len(self.text):
+                        break
+                    kept.append(e)
+                    keep += len(self.tok.decode([e[0]], skip_special_tokens=True))
+                entries = kept
+        return delta, self.stopped, entries
 
     def flush(self) -> str:
         delta, self.sent = self.text[self.sent:], len(self.text)
@@ -306,9 +404,37 @@ async def _forward(queue: asyncio.Queue, merged: asyncio.Queue) -> None:
             return
 
 
-def _chunk(rid, created, model, chat, index, delta, finish=None, extra=None) -> dict:
-    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish} if chat else \
-        {"index": index, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish}
+def _token_str(tok, token_id: int) -> str:
+    """A token as logprobs name it: its own text, special tokens included (the text skips them)."""
+    return tok.decode([token_id])
+
+
+def _logprobs(tok, entries: list, k: int, chat: bool, offset: int) -> dict:
+    """OpenAI's logprobs object for (token id, logprob, top [(id, logprob)...]) entries: chat's
+    ``content`` list, or completions' parallel lists (``text_offset`` from ``offset``)."""
+    if chat:
+        def item(t, lp):
+            s = _token_str(tok, t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top[:k]]}
+                            for t, lp, top in entries], "refusal": None}
+    tokens = [_token_str(tok, t) for t, _, _ in entries]
+    offsets = []  # into the returned text, which skips special tokens
+    for t, _, _ in entries:
+        offsets.append(offset)
+        offset += len(tok.decode([t], skip_special_tokens=True))
+    tops = []
+    for t, lp, top in entries:
+        d = {_token_str(tok, i): v for i, v in top[:k]}
+        d.setdefault(_token_str(tok, t), lp)  # the chosen token is always there, as vLLM does
+        tops.append(d)
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def _chunk(rid, created, model, chat, index, delta, finish=None, extra=None, logprobs=None) -> dict:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish} if chat else \
+        {"index": index, "text": delta.get("content", ""), "logprobs": logprobs, "finish_reason": finish}
     if extra:
         choice.update(extra)
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,

@@ -23,6 +23,7 @@ class SeqEvent:
     seq: Sequence
     new_ids: list[int] = field(default_factory=list)
     step: int = 0
+    logprobs: list | None = None  # "block": ``Committed.logprobs``
 
 
 @dataclass
@@ -124,7 +125,7 @@ class DiffusionLoop:
                 for c in committed:
                     self.stats.block_seconds += done_at - c.seq.block_started
                     c.seq.block_started = done_at
-                    self._emit(SeqEvent("block", c.seq, c.new_ids))
+                    self._emit(SeqEvent("block", c.seq, c.new_ids, logprobs=c.logprobs))
                 for f in finished:
                     self._emit(SeqEvent("finished", f.seq))
         except asyncio.CancelledError:

@@ -1,6 +1,32 @@
 """Validation of a diffusion request's body: OpenAI fields plus the ``diffusion`` extension.
 
-Errors are 400s in the OpenAI envelope naming the field (``diffusion.entropy_bound``...).
+Every field of a request is either honoured or refused with a 400 in the OpenAI envelope whose
+``param`` names it (``diffusion.entropy_bound``, ``top_p``...). A field is never silently ignored.
+
+Honoured (chat, completions; Responses in ``diffusion_plugin.responses``):
+- ``model``, ``messages`` (chat; text and image parts), ``prompt`` (completions; one string),
+  ``max_tokens``, ``max_completion_tokens`` (chat), ``temperature`` (0..2; the end of the
+  model's temperature schedule, 0 is near-greedy), ``seed``, ``stop`` (up to 4 strings), ``n``
+  (1..16), ``stream``, ``stream_options.include_usage``, ``diffusion`` (the knobs below);
+- ``logprobs``/``top_logprobs`` (chat: bool and 0..20) and ``logprobs`` (completions: 0..20).
+  The log-probability of a committed token is its log-softmax under the temperature-scaled
+  distribution of the denoise step that committed its block (its last step: a block commits
+  that step's argmax canvas, so a committed token is the most probable one there and its
+  logprob equals the first of its ``top_logprobs``); ``top_logprobs`` are the k most probable
+  tokens of that distribution at its position. In the fast sampler probabilities below e^-87
+  of the top token's are clamped there (never the top ones of any sensible k);
+- accepted and recorded nowhere (they change no output): ``user``, ``metadata``,
+  ``store: false``, ``service_tier: "auto"``, ``parallel_tool_calls`` without tools.
+
+Refused (400, ``param`` = the field) unless given its neutral value (or null): ``top_p`` (1),
+``top_k`` (-1 or 0), ``min_p`` (0), ``frequency_penalty`` / ``presence_penalty`` (0),
+``repetition_penalty`` (1), ``logit_bias`` ({}), ``min_tokens`` (0), ``best_of`` (1), ``echo``
+(false), ``suffix`` (""), ``response_format`` ({"type": "text"}), ``tools`` / ``functions`` ([]),
+``tool_choice`` / ``function_call`` ("none"), ``store`` (false), ``prediction``, ``audio``,
+``modalities`` (["text"]), ``reasoning_effort``, ``web_search_options``; and any other field.
+
+Determinism: ``temperature: 0`` without a ``seed`` uses seed ``GREEDY_SEED`` (0), so the same
+request gives the same answer, streamed or not; ``n`` > 1 uses seed + i for choice i.
 """
 
 from __future__ import annotations
@@ -8,11 +34,49 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.errors import invalid
 
 GREEDY_T = 1e-4  # temperature 0 means near-greedy: both ends of the schedule this low
+GREEDY_SEED = 0  # temperature 0 without a seed: this seed (deterministic)
+MAX_TOP_LOGPROBS = 20
+
+# Fields accepted without effect on the output.
+HARMLESS = frozenset({"user", "metadata"})
+# field -> the values that mean "off" (accepted; anything else is refused). None is always off.
+NEUTRAL: dict[str, tuple] = {
+    "top_p": (1, 1.0), "top_k": (-1, 0), "min_p": (0,), "frequency_penalty": (0,), "presence_penalty": (0,),
+    "repetition_penalty": (1,), "logit_bias": ({},), "min_tokens": (0,), "best_of": (1,), "echo": (False,),
+    "suffix": ("",), "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],),
+    "tool_choice": ("none",), "function_call": ("none",), "store": (False,), "service_tier": ("auto",),
+    "parallel_tool_calls": (True, False), "modalities": (["text"],), "prediction": (), "audio": (),
+    "reasoning_effort": (), "web_search_options": (),
+}
+
+
+def refuse_unsupported(extra: dict[str, Any] | None, neutral: dict[str, tuple] | None = None) -> None:
+    """400 naming the first field of ``extra`` (fields the model class does not declare) that is
+    neither harmless nor given its neutral value (``neutral``: a route's own table)."""
+    neutral = NEUTRAL if neutral is None else neutral
+    for name, value in (extra or {}).items():
+        if value is None or name in HARMLESS:
+            continue
+        if name in neutral:
+            if any(_same(value, v) for v in neutral[name]):
+                continue
+            allowed = " or ".join(repr(v) for v in neutral[name]) or "null"
+            raise invalid(f"{name}: not supported by the diffusion engine (only {allowed} is accepted)",
+                          param=name)
+        raise invalid(f"{name}: not supported by the diffusion engine", param=name)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a == b
+    return type(a) is type(b) and a == b
 
 
 class DiffusionKnobs(BaseModel):
@@ -32,7 +96,6 @@ class _Base(BaseModel):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
@@ -55,26 +118,99 @@ class _Base(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+    def top_logprobs_k(self) -> int | None:
+        """None: no logprobs; k: the committed tokens' logprobs and their top k."""
+        return None
+
 
 class ChatBody(_Base):
     messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")
+        return self
+
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def top_logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionBody(_Base):
     prompt: str
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def top_logprobs_k(self) -> int | None:
+        return self.logprobs
 
 
-def parse(cls: type[_Base], body: dict) -> _Base:
+class TokenizeBody(BaseModel):
+    """vLLM's TokenizeRequest (completion or chat form) minus tools and custom chat templates."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool | None = False
+
+    @model_validator(mode="after")
+    def _defaults(self):
+        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in \
+                self.model_fields_set:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        if self.continue_final_message:
+            self.add_generation_prompt = False
+        if self.add_special_tokens is None:
+            self.add_special_tokens = self.messages is None
+        return self
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int] = Field()
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, v):
+        for t in v:
+            if t < 0:
+                raise ValueError("Input should be greater than or equal to 0")
+            if t > 2**63 - 1:
+                raise ValueError("Input should be less than or equal to 9223372036854775807")
+        return v
+
+
+def parse(cls: type[BaseModel], body: dict, neutral: dict[str, tuple] | None = None) -> BaseModel:
     try:
-        return cls.model_validate(body)
+        req = cls.model_validate(body)
     except ValidationError as e:
         first = e.errors()[0]
         loc = [str(p) for p in first["loc"] if not str(p).startswith("function-")]
         field = ".".join(p for p in loc if not p.isdigit()) or None
-        raise invalid(f"{'.'.join(loc) or 'body'}: {first['msg']}", param=field) from None
+        if first["type"] == "value_error" and not loc and "top_logprobs" in first["msg"]:
+            field = "top_logprobs"
+        raise invalid(f"{'.'.join(loc) or field or 'body'}: {first['msg']}", param=field) from None
+    if cls not in (TokenizeBody, DetokenizeBody):  # vLLM's tokenize routes ignore extra fields too
+        refuse_unsupported(req.model_extra, neutral)
+    return req
 
 
-def resolve(req: _Base, defaults: dict[str, Any]) -> dict[str, Any]:
+def resolve(req: BaseModel, defaults: dict[str, Any]) -> dict[str, Any]:
     """The effective per-sequence knobs: the request's, else the model's generation config."""
     knobs = {k: v for k, v in req.diffusion.model_dump(exclude={"previews"}).items() if v is not None}
     merged = {**defaults, **knobs}
@@ -86,6 +222,10 @@ def resolve(req: _Base, defaults: dict[str, Any]) -> dict[str, Any]:
             merged["t_max"], merged["t_min"] = req.temperature, req.temperature * ratio
     if merged["t_min"] > merged["t_max"]:
         raise invalid("diffusion.t_min must not exceed diffusion.t_max", param="diffusion.t_min")
-    merged["seed"] = req.seed if req.seed is not None else random.randrange(2**31)
+    if req.seed is not None:
+        merged["seed"] = req.seed
+    elif req.temperature == 0:
+        merged["seed"] = GREEDY_SEED
+    else:
+        merged["seed"] = random.randrange(2**31)
     return merged
-

@@ -45,6 +45,9 @@ class SamplingParams:
     seed: int
     eos_token_ids: tuple[int, ...] = ()
     previews: bool = False
+    # None: no logprobs (no extra work); k: each committed token's logprob and the top k
+    # (``diffusion_plugin.params`` defines them).
+    logprobs: int | None = None
 
 
 @dataclass

@@ -161,9 +161,9 @@ class Runner:
     def _sample(self, rows: list[_Row], hidden: torch.Tensor) -> list[RowOutput]:
         steps_left = [r.seq.params.max_denoising_steps - r.seq.step for r in rows]
         if self.sampler == "fast":
-            sampled, argmax, entropy, renoise, soft = self._fast(rows, hidden, steps_left)
+            sampled, argmax, entropy, renoise, soft, tops = self._fast(rows, hidden, steps_left)
         else:
-            sampled, argmax, entropy, renoise, soft = self._exact(rows, hidden, steps_left)
+            sampled, argmax, entropy, renoise, soft, tops = self._exact(rows, hidden, steps_left)
         canvas = torch.cat([r.canvas for r in rows])
         bounds = torch.tensor([r.seq.params.entropy_bound for r in rows], dtype=entropy.dtype,
                               device=entropy.device).unsqueeze(-1)
@@ -186,8 +186,12 @@ class Runner:
             done = (stable and confident_b) or steps_left[b] <= 1
             if done:
                 row.pending = row.argmax  # the commit pass encodes the argmax canvas
+            logprobs = None
+            if done and tops[b] is not None:  # one host transfer, for the rows that asked, at their commit
+                values, ids = (t.tolist() for t in tops[b])
+                logprobs = [(v[0], list(zip(i, v, strict=True))) for v, i in zip(values, ids, strict=True)]
             outputs.append(RowOutput(seq_id=row.seq.seq_id, block_done=done, committed=tokens if done else None,
-                                     preview=tokens if p.previews else None))
+                                     preview=tokens if p.previews else None, logprobs=logprobs))
         return outputs
 
     def _exact(self, rows, hidden, steps_left):
@@ -195,7 +199,7 @@ class Runner:
         (multinomial noise, then renoise). Exact mode only: bit-exactness needs (1, C, V)."""
         parts = [vocab.exact_row(self.adapter.model, hidden[b:b + 1], r.seq.params, steps_left[b], r.generator)
                  for b, r in enumerate(rows)]
-        return tuple(torch.cat(xs) for xs in zip(*parts, strict=True))
+        return *(torch.cat(xs) for xs in zip(*(x[:5] for x in parts), strict=True)), [x[5] for x in parts]
 
     def _fast(self, rows, hidden, steps_left):
         seeds, counters = self._counters(rows)
@@ -206,10 +210,12 @@ class Runner:
         uniform = vocab.hash_uniform(seeds, counters, C, _SAMPLE)
         renoise = vocab.hash_draws(seeds, counters, C, _RENOISE) % V
         k = self.chunk_rows
-        parts = [vocab.fast_chunk(self.adapter.model, hidden[i:i + k], inv_t[i:i + k], uniform[i:i + k], self._scratch)
+        ks = [r.seq.params.logprobs for r in rows]
+        parts = [vocab.fast_chunk(self.adapter.model, hidden[i:i + k], inv_t[i:i + k], uniform[i:i + k], self._scratch,
+                                  ks[i:i + k] if any(x is not None for x in ks[i:i + k]) else None)
                  for i in range(0, len(rows), k)]
-        sampled, argmax, entropy, soft = (torch.cat(xs) for xs in zip(*parts, strict=True))
-        return sampled, argmax, entropy, renoise, soft
+        sampled, argmax, entropy, soft = (torch.cat(xs) for xs in zip(*(x[:4] for x in parts), strict=True))
+        return sampled, argmax, entropy, renoise, soft, [t for x in parts for t in x[4]]
 
     def _counters(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.adapter.device

@@ -50,6 +50,7 @@ class Finished:
 class Committed:
     seq: Sequence
     new_ids: list[int]
+    logprobs: list | None = None  # ``RowOutput.logprobs`` of the tokens kept (None: not asked)
 
 
 class Scheduler:
@@ -148,7 +149,7 @@ class Scheduler:
             if not row.block_done:
                 continue
             new_ids, status = self._commit(seq, row.committed or [])
-            committed.append(Committed(seq, new_ids))
+            committed.append(Committed(seq, new_ids, row.logprobs[:len(new_ids)] if row.logprobs else None))
             if status is not None:
                 finished.append(self._retire(seq, status))
             else:

@@ -35,7 +35,8 @@ def temperature(p: SamplingParams, steps_left: int) -> torch.Tensor:
 
 @torch.no_grad()
 def exact_row(model, hidden: torch.Tensor, p: SamplingParams, steps_left: int, generator: torch.Generator):
-    """One row (1, C, H) -> (sampled, argmax, entropy, renoise) each (1, C), and soft (1, C, H)."""
+    """One row (1, C, H) -> (sampled, argmax, entropy, renoise) each (1, C), soft (1, C, H), and
+    with ``p.logprobs`` set the top (logprobs, ids) each (C, max(k, 1)) (else None)."""
     cap = model.final_logit_softcapping
     logits = model.lm_head(hidden)  # as DiffusionGemmaForBlockDiffusion.forward, expression by expression
     logits = logits.to(torch.float32)
@@ -44,6 +45,7 @@ def exact_row(model, hidden: torch.Tensor, p: SamplingParams, steps_left: int, g
     logits = logits * cap
     processed = logits / temperature(p, steps_left)
     del logits
+    top = None if p.logprobs is None else top_logprobs(processed[0], p.logprobs, torch.logsumexp(processed[0], -1))
     probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
     # torch.multinomial(probs, 1) on CPU is argmax(probs / q), q ~ Exp(1) drawn by exponential_
     # on a tensor shaped like probs (its no-replacement path): drawn now, from the row's generator.
@@ -57,7 +59,14 @@ def exact_row(model, hidden: torch.Tensor, p: SamplingParams, steps_left: int, g
     # The decoder's own self-conditioning expression (softmax of the processed logits @ embedding).
     embed = model.model.decoder.embed_tokens
     soft = torch.matmul(probs.to(embed.weight.dtype), embed.weight) * embed.embed_scale.to(hidden.dtype)
-    return sampled, argmax, entropy, renoise, soft
+    return sampled, argmax, entropy, renoise, soft, top
+
+
+def top_logprobs(x: torch.Tensor, k: int, log_total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C, V) logits (any shift), their log-normaliser (C,) -> the top max(k, 1) log-softmax
+    values and ids, each (C, max(k, 1)): a requesting row only, read from the chunk's tensor."""
+    values, ids = torch.topk(x, max(k, 1), dim=-1)
+    return values - log_total[:, None], ids
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -96,9 +105,11 @@ class Scratch:
 
 
 @torch.no_grad()
-def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.Tensor, scratch: Scratch):
+def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.Tensor, scratch: Scratch,
+               ks: list[int | None] | None = None):
     """R rows (R, C, H), 1/temperature (R,), one uniform per position (R, C) float64 ->
-    (sampled, argmax, entropy) each (R, C), and the soft embedding (R, C, H)."""
+    (sampled, argmax, entropy) each (R, C), the soft embedding (R, C, H), and per row its top
+    (logprobs, ids) if ``ks[row]`` is not None (``top_logprobs``), else None."""
     cap = model.final_logit_softcapping
     embed = model.model.decoder.embed_tokens
     weight = model.lm_head.weight
@@ -119,9 +130,10 @@ def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.
     soft = torch.matmul(e.to(weight.dtype), embed.weight) / total[..., None].to(weight.dtype)
     soft = soft * embed.embed_scale.to(hidden.dtype)
     sampled = _inverse_cdf(e, uniform)
+    tops = [None if k is None else top_logprobs(x[b], k, torch.log(total[b])) for b, k in enumerate(ks or [None] * R)]
     # Entropy of softmax(x): log S - sum(e * x) / S (x shifted by its max, so S >= 1).
     entropy = torch.log(total) - x.mul_(e).sum(-1) / total
-    return sampled, argmax, entropy, soft
+    return sampled, argmax, entropy, soft, tops
 
 
 def _inverse_cdf(e: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,134 @@
+"""Diffusion honesty: every OpenAI field honoured or refused (400 naming it); logprobs in the
+runner (both samplers) leave the outputs unchanged and are consistent with the committed tokens;
+temperature 0 without a seed is seeded."""
+
+import pytest
+import torch
+
+from diffusion_plugin import params as P
+from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
+from diffusion_plugin.request import SamplingParams, Sequence
+from diffusion_plugin.responses import NEUTRAL as RESPONSES_NEUTRAL
+from diffusion_plugin.responses import ResponsesBody, to_messages
+from diffusion_plugin.runner import Runner
+from diffusion_plugin.scheduler import Scheduler
+from gateway.errors import TandemError
+from workers import tiny_models
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+DEFAULTS = {"t_min": 0.5, "t_max": 1.0, "max_denoising_steps": 8, "entropy_bound": 1.0, "stability_threshold": 1,
+            "confidence_threshold": 0.1}
+
+
+def _param(cls, body, neutral=None) -> str | None:
+    with pytest.raises(TandemError) as e:
+        P.parse(cls, body, neutral)
+    return e.value.param
+
+
+@pytest.mark.parametrize("field, value", [
+    ("top_p", 0.9), ("top_k", 5), ("min_p", 0.1), ("frequency_penalty", 0.5), ("presence_penalty", -1),
+    ("repetition_penalty", 1.2), ("logit_bias", {"5": 10}), ("min_tokens", 3), ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"), ("functions", [{"name": "f"}]),
+    ("function_call", "auto"), ("store", True), ("prediction", {"type": "content", "content": "x"}),
+    ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]), ("reasoning_effort", "low"), ("made_up_field", 1),
+])
+def test_chat_refuses_what_it_does_not_implement(field, value):
+    assert _param(P.ChatBody, {**CHAT, field: value}) == field
+
+
+@pytest.mark.parametrize("field, value", [("best_of", 2), ("echo", True), ("suffix", "end"), ("top_p", 0.1)])
+def test_completions_refuses_what_it_does_not_implement(field, value):
+    assert _param(P.CompletionBody, {"model": "m", "prompt": "x", field: value}) == field
+
+
+@pytest.mark.parametrize("extra", [
+    {"top_p": 1}, {"top_p": 1.0}, {"frequency_penalty": 0.0}, {"presence_penalty": 0}, {"logit_bias": {}},
+    {"tools": []}, {"response_format": {"type": "text"}}, {"user": "u"}, {"metadata": {"a": "b"}},
+    {"store": False}, {"top_p": None, "tools": None}, {"stream_options": {"include_usage": True}},
+])
+def test_neutral_values_and_harmless_fields_are_accepted(extra):
+    P.parse(P.ChatBody, {**CHAT, **extra})
+
+
+def test_logprobs_fields():
+    assert P.parse(P.ChatBody, {**CHAT, "logprobs": True, "top_logprobs": 3}).top_logprobs_k() == 3
+    assert P.parse(P.ChatBody, {**CHAT, "logprobs": True}).top_logprobs_k() == 0
+    assert P.parse(P.ChatBody, CHAT).top_logprobs_k() is None
+    assert _param(P.ChatBody, {**CHAT, "top_logprobs": 2}) == "top_logprobs"
+    assert _param(P.ChatBody, {**CHAT, "logprobs": True, "top_logprobs": 21}) == "top_logprobs"
+    assert P.parse(P.CompletionBody, {"model": "m", "prompt": "x", "logprobs": 2}).top_logprobs_k() == 2
+    assert _param(P.CompletionBody, {"model": "m", "prompt": "x", "logprobs": -1}) == "logprobs"
+
+
+def test_temperature_0_without_seed_is_seeded():
+    req = P.parse(P.ChatBody, {**CHAT, "temperature": 0})
+    assert P.resolve(req, DEFAULTS)["seed"] == P.resolve(req, DEFAULTS)["seed"] == P.GREEDY_SEED
+    assert P.resolve(P.parse(P.ChatBody, {**CHAT, "temperature": 0, "seed": 9}), DEFAULTS)["seed"] == 9
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "name": "f"}]), ("store", True), ("previous_response_id", "resp_1"),
+    ("reasoning", {"effort": "low"}), ("text", {"format": {"type": "json_object"}}), ("background", True),
+    ("top_p", 0.5), ("top_logprobs", 2), ("include", ["message.output_text.logprobs"]), ("conversation", "c"),
+])
+def test_responses_refuses_what_it_does_not_implement(field, value):
+    assert _param(ResponsesBody, {"model": "m", "input": "hi", field: value}, RESPONSES_NEUTRAL) == field
+
+
+def test_responses_input_to_messages():
+    req = P.parse(ResponsesBody, {"model": "m", "instructions": "Be brief.", "input": [
+        {"role": "developer", "content": "d"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}, RESPONSES_NEUTRAL)
+    assert to_messages(req) == [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "d"},
+                                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    bad = P.parse(ResponsesBody, {"model": "m", "input": [{"type": "function_call_output", "output": "x"}]},
+                  RESPONSES_NEUTRAL)
+    with pytest.raises(TandemError) as e:
+        to_messages(bad)
+    assert e.value.param == "input"
+
+
+# -- logprobs in the runner ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    torch.set_num_threads(1)
+    return DiffusionGemmaAdapter(str(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA)))
+
+
+def _run(adapter, sampler, logprobs):
+    params = {**adapter.defaults(), "max_denoising_steps": 6}
+    sched = Scheduler(max_batch=4, canvas_length=adapter.canvas_length, row_boundaries=False)
+    runner, seqs, blocks = Runner(adapter, sampler), {}, {}
+    for i in range(3):
+        seq = Sequence(seq_id=f"s{i}", prompt_ids=[(5 * i + j) % 900 + 3 for j in range(12 + 7 * i)],
+                       params=SamplingParams(max_tokens=50, seed=3 + i, eos_token_ids=(),
+                                             logprobs=logprobs if i != 1 else None, **params))
+        seqs[seq.seq_id] = seq
+        sched.add(seq)
+    while sched.has_work():
+        batch, _ = sched.schedule()
+        if batch.empty():
+            continue
+        committed, _ = sched.update(runner.execute(batch, seqs))
+        for c in committed:
+            blocks.setdefault(c.seq.seq_id, []).append((c.new_ids, c.logprobs))
+    return {s: q.output_ids for s, q in seqs.items()}, blocks
+
+
+@pytest.mark.parametrize("sampler", ["exact", "fast"])
+def test_logprobs_leave_outputs_unchanged_and_match_the_committed_tokens(adapter, sampler):
+    plain, _ = _run(adapter, sampler, None)
+    with_lp, blocks = _run(adapter, sampler, 3)
+    assert with_lp == plain  # asking for logprobs changes no token
+    assert all(lp is None for _, lp in blocks["s1"])  # the row that did not ask got none
+    for seq_id in ("s0", "s2"):
+        for ids, lps in blocks[seq_id]:
+            assert len(lps) == len(ids)
+            for token, (logprob, top) in zip(ids, lps, strict=True):
+                assert len(top) == 3 and logprob <= 0
+                assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+                assert logprob == top[0][1]  # the committed token is that step's argmax
+                assert token == top[0][0] or abs(top[1][1] - logprob) < 1e-6  # (or tied with it)
