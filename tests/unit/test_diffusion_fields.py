@@ -2,10 +2,14 @@
 runner (both samplers) leave the outputs unchanged and are consistent with the committed tokens;
 temperature 0 without a seed is seeded."""
 
+import asyncio
+import json
+
 import pytest
 import torch
 
 from diffusion_plugin import params as P
+from diffusion_plugin.engine import DiffusionEngine
 from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
 from diffusion_plugin.request import SamplingParams, Sequence
 from diffusion_plugin.responses import NEUTRAL as RESPONSES_NEUTRAL
@@ -132,3 +136,31 @@ def test_logprobs_leave_outputs_unchanged_and_match_the_committed_tokens(adapter
                 assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
                 assert logprob == top[0][1]  # the committed token is that step's argmax
                 assert token == top[0][0] or abs(top[1][1] - logprob) < 1e-6  # (or tied with it)
+
+
+def test_engine_logprobs_stop_at_the_stop_string_and_streamed_equals_whole():
+    path = str(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA))
+    body = {"model": "m", "prompt": "The river", "max_tokens": 60, "seed": 5, "logprobs": 1}
+
+    async def main():
+        engine = DiffusionEngine("m", path, {"sampler": "exact", "num_threads": 1})
+        await engine.start()
+        try:
+            whole = [x async for x in engine.completions(body, "a")][0]["choices"][0]
+            stop = whole["text"][40:43]
+            cut = [x async for x in engine.completions({**body, "stop": stop}, "b")][0]["choices"][0]
+            chunks = [x async for x in engine.completions({**body, "stream": True}, "c")]
+            return whole, stop, cut, chunks
+        finally:
+            await engine.shutdown()
+
+    whole, stop, cut, chunks = asyncio.run(main())
+    assert cut["text"] == whole["text"][:whole["text"].index(stop)] and cut["finish_reason"] == "stop"
+    lp, full = cut["logprobs"], whole["logprobs"]
+    n = len(lp["tokens"])
+    assert 0 < n < len(full["tokens"]) and lp["tokens"] == full["tokens"][:n]  # tokens up to the stop string
+    assert lp["text_offset"][-1] < len(cut["text"]) <= lp["text_offset"][-1] + len(lp["tokens"][-1])
+    streamed = [json.loads(c[len("data: "):]) for c in chunks if c.startswith("data: {")]
+    tokens = [t for s in streamed for ch in s["choices"] if ch["logprobs"] for t in ch["logprobs"]["tokens"]]
+    offsets = [o for s in streamed for ch in s["choices"] if ch["logprobs"] for o in ch["logprobs"]["text_offset"]]
+    assert tokens == full["tokens"] and offsets == full["text_offset"]
