@@ -16,6 +16,9 @@ def _no_cuda_reason() -> str | None:
     return None
 
 
+_skipped: dict[str, int | str] = {}
+
+
 def pytest_collection_modifyitems(config, items):
     reason = None
     checked = False
@@ -27,6 +30,13 @@ def pytest_collection_modifyitems(config, items):
             reason, checked = _no_cuda_reason(), True
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
+            _skipped["reason"], _skipped["count"] = reason, int(_skipped.get("count", 0)) + 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say why, even under -q (which hides skip reasons unless -rs)."""
+    if _skipped:
+        terminalreporter.write_line(f"tests/gpu: {_skipped['count']} skipped: {_skipped['reason']}")
 
 
 @pytest.fixture(scope="session")
