@@ -2,7 +2,10 @@
 
 OpenAI in, OpenAI out: each committed block is an ordinary delta chunk (append-only); with
 ``"diffusion": {"previews": true}`` preview chunks (empty ``delta`` plus ``diffusion_preview``,
-replace semantics) come between them.
+replace semantics) come between them. Routes: ``chat``, ``completions``, ``responses``
+(``diffusion_plugin.responses``), ``tokenize``, ``detokenize``. Which OpenAI fields are honoured
+and which are refused (400 naming the field), the logprobs definition and temperature 0's seed:
+``diffusion_plugin.params``.
 """
 
 from __future__ import annotations
