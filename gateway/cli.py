@@ -102,7 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the configured models over the OpenAI API",
                            description="Serve the models of a config file at http://HOST:PORT/v1. Without "
                                        "--config, serves configs/default.yaml: the built-in tiny models "
-                                       "(built on first use), on a local Ray, offline.")
+                                       "(built on first use), on a local Ray, offline. Other configs: "
+                                       "configs/diffusion-shape.yaml (a diffusion model of DiffusionGemma's "
+                                       "real canvas and vocabulary, exact and fast samplers), "
+                                       "configs/qwen-gpu.yaml (real models on GPU nodes).")
     serve.add_argument("--config", metavar="FILE", help=f"YAML config (default: {DEFAULT_CONFIG})")
     serve.add_argument("--host", help="bind address (overrides gateway.host)")
     serve.add_argument("--port", type=int, help="port (overrides gateway.port)")
