@@ -133,7 +133,8 @@ class Runner:
     def _trunk(self, rows: list[_Row]) -> torch.Tensor:
         C = self.adapter.canvas_length
         canvas = torch.cat([r.canvas for r in rows])
-        positions = torch.stack([torch.arange(r.cur_len, r.cur_len + C, dtype=torch.int32) for r in rows])
+        positions = torch.stack([torch.arange(r.cur_len, r.cur_len + C, dtype=torch.int32, device=canvas.device)
+                                 for r in rows])  # on the canvas's device, as HF
         soft = self._soft(rows)
         if self.sampler == "exact":
             # Exact mode only: each row alone through the decoder over its own cache, exactly
@@ -147,7 +148,7 @@ class Runner:
         token = FAST.set(spec)
         try:
             with _row_tokens(C):
-                return self.adapter.decode_hidden(canvas, view, positions.to(canvas.device), soft)
+                return self.adapter.decode_hidden(canvas, view, positions, soft)
         finally:
             FAST.reset(token)
 

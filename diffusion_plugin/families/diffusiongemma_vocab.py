@@ -28,8 +28,10 @@ from diffusion_plugin.request import SamplingParams
 CDF_BLOCK = 512  # the inverse CDF finds a block of this many ids first, then the id inside it
 
 
-def temperature(p: SamplingParams, steps_left: int) -> torch.Tensor:
-    cur_step = torch.tensor(steps_left, dtype=torch.int32)  # a tensor, exactly as HF (float32 maths)
+def temperature(p: SamplingParams, steps_left: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    # a tensor on the canvas's device, exactly as HF (float32 maths; a CPU scalar divides a CUDA
+    # tensor by another path)
+    cur_step = torch.tensor(steps_left, dtype=torch.int32, device=device)
     return p.t_min + ((p.t_max - p.t_min) * (cur_step / p.max_denoising_steps))
 
 
@@ -43,7 +45,7 @@ def exact_row(model, hidden: torch.Tensor, p: SamplingParams, steps_left: int, g
     logits = logits / cap
     logits = torch.tanh(logits)
     logits = logits * cap
-    processed = logits / temperature(p, steps_left)
+    processed = logits / temperature(p, steps_left, logits.device)
     del logits
     top = None if p.logprobs is None else top_logprobs(processed[0], p.logprobs, torch.logsumexp(processed[0], -1))
     probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
