@@ -39,28 +39,34 @@ def temperature(p: SamplingParams, steps_left: int, device: torch.device | str =
 def exact_row(model, hidden: torch.Tensor, p: SamplingParams, steps_left: int, generator: torch.Generator):
     """One row (1, C, H) -> (sampled, argmax, entropy, renoise) each (1, C), soft (1, C, H), and
     with ``p.logprobs`` set the top (logprobs, ids) each (C, max(k, 1)) (else None)."""
+    # HF's expressions one by one (DiffusionGemmaForBlockDiffusion.forward, generate()'s sampler,
+    # torch's Categorical.entropy), with each elementwise op done in place where its input is not
+    # needed again: the same kernel gives the same bits, and at most three canvas x vocab buffers
+    # are alive at once instead of six.
     cap = model.final_logit_softcapping
-    logits = model.lm_head(hidden)  # as DiffusionGemmaForBlockDiffusion.forward, expression by expression
-    logits = logits.to(torch.float32)
-    logits = logits / cap
-    logits = torch.tanh(logits)
-    logits = logits * cap
-    processed = logits / temperature(p, steps_left, logits.device)
-    del logits
+    logits = model.lm_head(hidden).to(torch.float32)  # ours alone: safe to overwrite
+    logits.div_(cap)
+    logits.tanh_()
+    logits.mul_(cap)
+    processed = logits.div_(temperature(p, steps_left, logits.device))
     top = None if p.logprobs is None else top_logprobs(processed[0], p.logprobs, torch.logsumexp(processed[0], -1))
     probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
-    # torch.multinomial(probs, 1) on CPU is argmax(probs / q), q ~ Exp(1) drawn by exponential_
-    # on a tensor shaped like probs (its no-replacement path): drawn now, from the row's generator.
-    noise = torch.empty_like(probs).exponential_(1, generator=generator)
-    sampled = torch.argmax(probs / noise, dim=-1)
-    del noise
-    renoise = torch.randint(low=0, high=model.config.text_config.vocab_size, size=sampled.shape, generator=generator,
-                            device=sampled.device)
-    argmax = torch.argmax(processed, dim=-1)
-    entropy = torch.distributions.Categorical(logits=processed, validate_args=False).entropy()
     # The decoder's own self-conditioning expression (softmax of the processed logits @ embedding).
     embed = model.model.decoder.embed_tokens
     soft = torch.matmul(probs.to(embed.weight.dtype), embed.weight) * embed.embed_scale.to(hidden.dtype)
+    # torch.multinomial(probs, 1) on CPU is argmax(probs / q), q ~ Exp(1) drawn by exponential_
+    # on a tensor shaped like probs (its no-replacement path): drawn now, from the row's generator.
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    sampled = torch.argmax(torch.div(probs, noise, out=noise), dim=-1)
+    del noise, probs
+    renoise = torch.randint(low=0, high=model.config.text_config.vocab_size, size=sampled.shape, generator=generator,
+                            device=sampled.device)
+    argmax = torch.argmax(processed, dim=-1)
+    # Categorical(logits=processed).entropy(): normalise, softmax, clamp, p * log p, -sum.
+    normalised = processed.sub_(processed.logsumexp(dim=-1, keepdim=True))
+    del processed
+    p_norm = torch.softmax(normalised, dim=-1)
+    entropy = -normalised.clamp_(min=torch.finfo(normalised.dtype).min).mul_(p_norm).sum(-1)
     return sampled, argmax, entropy, renoise, soft, top
 
 
