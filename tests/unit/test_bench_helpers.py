@@ -46,6 +46,7 @@ def test_proc_readers_see_this_process_and_its_children():
 
     from gateway.bench_diffusion import proc_cpu_s, proc_mem, proc_tree, reset_peak
 
+    # a child that stays alive until killed below (its sleep is its lifetime, not a synchronisation)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         assert child.pid in proc_tree(os.getpid())
