@@ -63,6 +63,18 @@ class FakeEngine:
         if self.broken or fault == "raise":
             raise RuntimeError("fake engine: its core died")
 
+    async def _paced(self, words: list[str], midstream: bool = True) -> AsyncIterator[tuple[int, str]]:
+        """Each word after its delay and the injected faults (``fail: midstream`` fails the second
+        one), then one more fault check: a held engine finishes nothing."""
+        for i, w in enumerate(words):
+            await self._step()
+            await asyncio.sleep(self.token_delay_s)
+            if midstream and self.fail == "midstream" and i == 1:
+                raise RuntimeError("fake engine failed mid-stream")
+            self.progress += 1
+            yield i, w
+        await self._step()
+
     async def start(self) -> EngineInfo:
         if self.fail == "start":
             raise RuntimeError("fake engine told to fail at start")
@@ -99,12 +111,7 @@ class FakeEngine:
             return
         yield _event({"type": "response.created", "sequence_number": 0, "response": {**resp, "status": "in_progress",
                                                                                    "output": []}})
-        for i, w in enumerate(words):
-            await self._step()
-            await asyncio.sleep(self.token_delay_s)
-            if self.fail == "midstream" and i == 1:
-                raise RuntimeError("fake engine failed mid-stream")
-            self.progress += 1
+        async for i, w in self._paced(words):
             yield _event({"type": "response.output_text.delta", "sequence_number": i + 1, "item_id": "msg_1",
                           "output_index": 0, "content_index": 0, "delta": (" " if i else "") + w})
         yield _event({"type": "response.completed", "sequence_number": len(words) + 1, "response": resp})
@@ -154,23 +161,14 @@ class FakeEngine:
                 raise RuntimeError("fake engine told to fail")
             words = [f"tok{i}" for i in range(n)]
             if body.get("stream"):
-                for i, w in enumerate(words):
-                    await self._step()
-                    await asyncio.sleep(self.token_delay_s)
-                    if self.fail == "midstream" and i == 1:
-                        raise RuntimeError("fake engine failed mid-stream")
-                    self.progress += 1
+                async for _, w in self._paced(words):
                     yield _chunk(rid, self.model, chat, w + " ", None)
-                await self._step()  # a held engine finishes nothing
                 self.running.discard(rid)  # from here on it finishes whatever happens: not "running"
                 yield _chunk(rid, self.model, chat, "", finish)
                 yield DONE
             else:
-                for _ in words:
-                    await self._step()
-                    await asyncio.sleep(self.token_delay_s)
-                    self.progress += 1
-                await self._step()
+                async for _ in self._paced(words, midstream=False):
+                    pass
                 self.running.discard(rid)
                 text = " ".join(words)
                 choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
