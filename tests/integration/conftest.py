@@ -42,6 +42,14 @@ class Stack:
     def async_client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
 
+    def completion_text(self, model: str, prompt: str, max_tokens: int, stream: bool, **kw) -> str:
+        """One completion's text, streamed (the deltas joined) or not."""
+        c = self.client()
+        if not stream:
+            return c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, **kw).choices[0].text
+        chunks = c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True, **kw)
+        return "".join(ch.choices[0].text for ch in chunks if ch.choices)
+
     def replica_stats(self, model: str = "tiny-llama") -> list[dict]:
         rows = httpx.get(self.url + "/admin/replicas", timeout=10).json()["replicas"]
         return [r for r in rows if r["model"] == model]

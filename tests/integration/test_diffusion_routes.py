@@ -146,15 +146,7 @@ def test_completions_logprobs_shape(stack, tokenizer):
 def test_temperature_0_without_seed_is_deterministic(stack, stream):
     c = stack.client()
 
-    def once() -> str:
-        if not stream:
-            return c.completions.create(model=MODEL, prompt="Good software is", max_tokens=40,
-                                        temperature=0).choices[0].text
-        chunks = c.completions.create(model=MODEL, prompt="Good software is", max_tokens=40, temperature=0,
-                                      stream=True)
-        return "".join(ch.choices[0].text for ch in chunks if ch.choices)
-
-    first, second = once(), once()
+    first, second = (stack.completion_text(MODEL, "Good software is", 40, stream, temperature=0) for _ in range(2))
     assert first == second and len(first) > 0
     chat = [c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=40, temperature=0)
             .choices[0].message.content for _ in range(2)]

@@ -165,17 +165,7 @@ def test_diffusion_model_refuses_a_route_it_does_not_serve(stack, path, body):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_temperature_0_without_seed_is_deterministic(stack, stream):
-    c = stack.client()
-
-    def once() -> str:
-        if not stream:
-            return c.completions.create(model=MODEL, prompt="Good software is", max_tokens=24,
-                                        temperature=0).choices[0].text
-        chunks = c.completions.create(model=MODEL, prompt="Good software is", max_tokens=24, temperature=0,
-                                      stream=True)
-        return "".join(ch.choices[0].text for ch in chunks if ch.choices)
-
-    first, second = once(), once()
+    first, second = (stack.completion_text(MODEL, "Good software is", 24, stream, temperature=0) for _ in range(2))
     assert first == second and len(first) > 0
 
 
