@@ -27,7 +27,7 @@ prometheus:
 	@command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; }
 
 test: models prometheus
-	$(BIN)/ruff check gateway workers diffusion_plugin tests
+	$(BIN)/ruff check tandem_core workers diffusion_plugin gateway tandem_tools tests
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 unit: setup

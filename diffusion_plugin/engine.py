@@ -1,4 +1,4 @@
-"""The diffusion engine: ``workers.protocol.Engine`` over tandem's block-granular batcher.
+"""The diffusion engine: ``tandem_core.protocol.Engine`` over tandem's block-granular batcher.
 
 OpenAI in, OpenAI out: each committed block is an ordinary delta chunk (append-only); with
 ``"diffusion": {"previews": true}`` preview chunks (empty ``delta`` plus ``diffusion_preview``,
@@ -22,8 +22,8 @@ from diffusion_plugin.images import ImageLimits, extract_images, load_images
 from diffusion_plugin.loop import DiffusionLoop, SeqEvent
 from diffusion_plugin.memory import GIB, MemoryBudget, default_budget_bytes, host_available_bytes, step_transient_bytes
 from diffusion_plugin.request import FINISH_REASON, SamplingParams, SeqStatus, Sequence
-from gateway.errors import ErrorKind, TandemError, invalid
-from workers.protocol import DONE, EngineInfo, EngineStats, Item
+from tandem_core.errors import ErrorKind, TandemError, invalid
+from tandem_core.protocol import DONE, EngineInfo, EngineStats, Item
 
 logger = logging.getLogger(__name__)
 

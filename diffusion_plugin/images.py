@@ -17,7 +17,7 @@ import io
 import warnings
 from dataclasses import dataclass
 
-from gateway.errors import ErrorKind, TandemError, invalid
+from tandem_core.errors import ErrorKind, TandemError, invalid
 
 MiB = 1024 * 1024
 

@@ -36,7 +36,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gateway.errors import invalid
+from tandem_core.errors import invalid
 
 GREEDY_T = 1e-4  # temperature 0 means near-greedy: both ends of the schedule this low
 GREEDY_SEED = 0  # temperature 0 without a seed: this seed (deterministic)

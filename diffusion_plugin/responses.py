@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from diffusion_plugin import params as P
-from gateway.errors import TandemError, invalid
+from tandem_core.errors import TandemError, invalid
 
 
 class ResponsesBody(BaseModel):

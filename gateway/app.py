@@ -14,15 +14,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.errors import ErrorKind, TandemError, invalid
 from gateway.generate import generate, key_name_of, request_id_of, stored_response
 from gateway.metrics import GENERATION_ROUTES, now
 from gateway.metrics import ROUTES as METRIC_ROUTES
 from gateway.openapi import request_body_schema
-from gateway.security import SecurityError, install_security
+from gateway.security import install_security
 from gateway.service import Service
 from gateway.streaming import anthropic_error_type
-from workers.protocol import ROUTES as ENGINE_ROUTES
+from tandem_core.errors import ErrorKind, TandemError, invalid
+from tandem_core.protocol import ROUTES as ENGINE_ROUTES
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def build_app(service: Service) -> FastAPI:
     app.state.service = service
     cfg = service.config
 
-    def on_reject(scope, err: SecurityError) -> None:
+    def on_reject(scope, err: TandemError) -> None:
         service.metrics.observe_rejected("other", err.kind)
 
     app.state.limiter = install_security(app, cfg.auth, cfg.limits, cfg.cors, base_dir=cfg.config_dir,
@@ -169,11 +169,6 @@ def build_app(service: Service) -> FastAPI:
         if exc.status >= 500:
             logger.warning("request %s%s failed: %s", request_id_of(request), key_name_of(request), exc.message)
         return error_response(exc, request)
-
-    @app.exception_handler(SecurityError)
-    async def _security_error(request: Request, exc: SecurityError):
-        service.metrics.observe_rejected(getattr(request.state, "tandem_model", None) or "other", exc.kind)
-        return JSONResponse(exc.envelope(), status_code=exc.status, headers=exc.headers() or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

@@ -23,8 +23,9 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.limits import count, estimate_tokens, show
-from gateway.security import ApiKey, AuthConfig, LimitExceeded, RateLimited, SecurityError, Unauthenticated, header
+from gateway.limits import count, estimate_tokens, header, show
+from tandem_core.config import ApiKey, AuthConfig
+from tandem_core.errors import LimitExceeded, RateLimited, TandemError, Unauthenticated
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ class AuthMiddleware:
     (for metrics)."""
 
     def __init__(self, app: ASGIApp, keystore: KeyStore, limiter: RateLimiter, public_paths: Iterable[str],
-                 on_reject: Callable[[Scope, SecurityError], None] | None = None):
+                 on_reject: Callable[[Scope, TandemError], None] | None = None):
         self.app = app
         self.keystore = keystore
         self.limiter = limiter
@@ -234,7 +235,7 @@ class AuthMiddleware:
             name = self._authenticate(scope)
             scope.setdefault("state", {})["tandem_key_name"] = name
             self.limiter.check_request(name)
-        except SecurityError as err:
+        except TandemError as err:
             logger.info("refused %s %s: %s", scope.get("method", "WEBSOCKET"), scope["path"], err.message)
             if self.on_reject is not None:
                 self.on_reject(scope, err)

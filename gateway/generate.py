@@ -13,15 +13,15 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.config import ModelConfig
-from gateway.errors import ErrorKind, TandemError, invalid, request_timeout
 from gateway.limits import check_limits
 from gateway.metrics import now
 from gateway.replicas import Replica
 from gateway.router import ModelPool, Slot, request_cost
 from gateway.service import Service
 from gateway.streaming import ClientGone, event_body, sse_body, until_disconnect
-from workers.protocol import DONE_ROUTES, GENERATING_ROUTES, route_not_served
+from tandem_core.config import ModelConfig
+from tandem_core.errors import ErrorKind, TandemError, invalid, request_timeout
+from tandem_core.protocol import DONE_ROUTES, GENERATING_ROUTES, route_not_served
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def _depth_over(value: object, limit: int) -> bool:
 
 async def generate(request: Request, service: Service, route: str, body: dict | None = None,
                    pin: Replica | None = None) -> Response:
-    """Serve one request of ``route`` (``workers.protocol.ROUTES``). ``body``: already parsed
+    """Serve one request of ``route`` (``tandem_core.protocol.ROUTES``). ``body``: already parsed
     (routes that take no JSON body); ``pin``: the replica that must serve it (a stored response)."""
     t0 = now()
     metrics = service.metrics

@@ -15,7 +15,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.security import BodyTooLarge, LimitExceeded, LimitsConfig, header
+from tandem_core.config import LimitsConfig
+from tandem_core.errors import BodyTooLarge, LimitExceeded
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,11 @@ def check_limits(body: Any, limits: LimitsConfig, route: str) -> None:
         _check_number(body, name, limits.max_n, "limits.max_n")
     for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         _check_number(body, name, limits.max_tokens_ceiling)
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    """A request header's raw value (ASGI scope), or None."""
+    return next((v for k, v in scope.get("headers", ()) if k.lower() == name), None)
 
 
 def _input_chars(inputs: Any) -> int:

@@ -17,7 +17,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from gateway.errors import ErrorKind
+from tandem_core.errors import ErrorKind
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id:path}", "/health", "/ready",
           "/metrics", "/admin/replicas")

@@ -8,7 +8,7 @@ that fits the schema is one tandem should answer without a 5xx.
 
 from __future__ import annotations
 
-from gateway.security import LimitsConfig
+from tandem_core.config import LimitsConfig
 
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}

@@ -1,30 +1,16 @@
-"""Replicas as the gateway sees them, and the handles that reach their engines.
+"""Replicas as the gateway sees them: their state, load and the handle that reaches each one.
 
-``ReplicaHandle`` is the gateway's side of ``workers.protocol.Engine``. ``RayReplicaHandle``
-talks to an ``EngineActor`` through Ray streaming generators; ``LocalReplicaHandle`` runs
-an engine in the gateway's own process (unit tests, no Ray).
-
-A handle also knows how to bring its replica back (``restart``): the Ray one kills a stuck
-actor and lets Ray restart it (``max_restarts``), then starts the engine in the new process;
-the local one builds a fresh in-process actor.
+The handles themselves (Ray and in-process) are the transport, in ``workers/transport``; the
+protocol they follow is ``tandem_core.protocol.ReplicaHandle``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
 
-from gateway.errors import ErrorKind, TandemError, request_timeout
-from workers.channel import END, Demux, items_of
-from workers.protocol import EngineInfo, EngineStats, Item, ReplicaHealth
-
-logger = logging.getLogger(__name__)
+from tandem_core.protocol import EngineInfo, ReplicaHandle
 
 
 class ReplicaState(str, Enum):
@@ -41,25 +27,11 @@ class ReplicaState(str, Enum):
         return self in (ReplicaState.HEALTHY, ReplicaState.UNHEALTHY)
 
 
-class ReplicaHandle(Protocol):
-    on_broken: Callable[[TandemError], None] | None  # set by the service: the channel broke
-
-    def generate(self, route: str, body: dict, request_id: str) -> AsyncIterator[Item]: ...
-    async def abort(self, request_id: str) -> bool: ...
-    async def health(self) -> ReplicaHealth: ...
-    async def stats(self) -> EngineStats: ...
-    async def start(self) -> EngineInfo: ...
-    async def restart(self, kill: bool) -> EngineInfo: ...
-    def fail_in_flight(self, err: TandemError) -> None: ...
-    async def describe(self) -> dict: ...
-    async def shutdown(self) -> None: ...
-
-
 @dataclass(eq=False)
 class Replica:
     id: str
     model: str
-    handle: Any  # ReplicaHandle
+    handle: ReplicaHandle
     state: ReplicaState = ReplicaState.STARTING
     outstanding: int = 0  # requests routed here and not yet finished
     load: float = 0.0  # their summed cost (``router.request_cost``): tokens (AR) or batch rows (diffusion)
@@ -71,227 +43,9 @@ class Replica:
     progress_since: float = field(default_factory=time.monotonic)
     unhealthy_since: float = 0.0
     restarts: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def capacity(self) -> float:
         """What ``load`` is measured against: a diffusion replica's batch rows, else 1."""
         max_batch = (self.info.extra.get("max_batch") if self.info else None) or 1
         return float(max_batch)
-
-
-class ChannelReplicaHandle:
-    """Reaches an ``EngineActor`` through one multiplexed channel (``workers/channel.py``).
-
-    ``call(method, *args)`` awaits one actor method; ``stream(method, *args)`` iterates a
-    streaming one. Subclasses bind them to Ray or to an in-process actor.
-    """
-
-    def __init__(self) -> None:
-        self.channel_id = uuid.uuid4().hex
-        self._demux: Demux | None = None
-        self._reader: asyncio.Task | None = None
-        self.on_broken: Callable[[TandemError], None] | None = None
-
-    async def call(self, method: str, *args):
-        raise NotImplementedError
-
-    def stream(self, method: str, *args) -> AsyncIterator:
-        raise NotImplementedError
-
-    def _dead(self, exc: BaseException) -> TandemError:
-        return TandemError(ErrorKind.ENGINE_DEAD, "the replica serving this request failed")
-
-    def _channel(self) -> Demux:
-        """The open channel; (re)opened when there is none or it broke (e.g. after a restart)."""
-        if self._demux is None or self._demux.broken is not None:
-            self._demux = Demux()
-            self._reader = asyncio.create_task(self._read(self._demux), name=f"channel-{self.channel_id}")
-        return self._demux
-
-    async def _read(self, demux: Demux) -> None:
-        try:
-            async for batch in self.stream("open_channel", self.channel_id):
-                demux.feed(batch)
-            err = TandemError(ErrorKind.ENGINE_DEAD, "the replica closed its channel")
-        except asyncio.CancelledError:
-            demux.fail_all(TandemError(ErrorKind.ENGINE_DEAD, "the gateway is shutting down"))
-            raise
-        except Exception as e:  # noqa: BLE001 - whatever broke it, every request on it must end
-            logger.warning("channel %s broke: %s: %s", self.channel_id, type(e).__name__, e)
-            err = self._dead(e)
-        demux.fail_all(err)
-        if self.on_broken is not None and demux is self._demux:
-            self.on_broken(err)
-
-    async def start(self) -> EngineInfo:
-        info = await self.call("start")
-        self._channel()
-        return info
-
-    def fail_in_flight(self, err: TandemError) -> None:
-        """End every request on this replica now with ``err`` (it is stuck or gone)."""
-        if self._reader is not None:
-            self._reader.cancel()
-        if self._demux is not None:
-            self._demux.fail_all(err)
-            self._demux = None
-
-    async def restart(self, kill: bool) -> EngineInfo:
-        """Bring the replica back: a new process (killing the old one when ``kill``), started."""
-        raise NotImplementedError
-
-    async def describe(self) -> dict:
-        return await self.call("describe")
-
-    async def generate(self, route: str, body: dict, request_id: str,
-                       timeout_at: float | None = None) -> AsyncIterator[Item]:
-        """The request's items. Past ``timeout_at`` (loop time) it ends with a 504 error (an error
-        event if it had begun streaming) and is aborted in the engine."""
-        demux = self._channel()
-        queue = demux.register(request_id)
-        finished = False
-        timer = None
-        if timeout_at is not None:
-            def expire() -> None:
-                nonlocal finished
-                finished = None  # neither finished nor abandoned by the client: abort it there
-                queue.put_nowait(request_timeout())
-                queue.put_nowait(END)
-            timer = asyncio.get_running_loop().call_at(timeout_at, expire)
-        try:
-            try:
-                await self.call("submit", self.channel_id, route, body, request_id)
-            except TandemError:
-                raise
-            except Exception as e:  # noqa: BLE001
-                raise self._dead(e) from e
-            async for item in items_of(queue):
-                yield item
-            if finished is not None:
-                finished = True
-        finally:
-            if timer is not None:
-                timer.cancel()
-            demux.unregister(request_id)
-            if not finished:  # the client went away, the stream failed or timed out: abort it there
-                asyncio.ensure_future(self._abort_quietly(request_id))
-
-    async def _abort_quietly(self, request_id: str) -> None:
-        try:
-            await self.call("abort", request_id)
-        except Exception:  # noqa: BLE001 - the replica may be gone; nothing to abort then
-            pass
-
-    async def abort(self, request_id: str) -> bool:
-        return await self.call("abort", request_id)
-
-    async def health(self) -> ReplicaHealth:
-        return await self.call("health")
-
-    async def stats(self) -> EngineStats:
-        return await self.call("stats")
-
-    async def shutdown(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        await self.call("shutdown")
-
-
-class LocalReplicaHandle(ChannelReplicaHandle):
-    """An ``EngineActor`` in this process (unit tests, no Ray); same channel code path.
-    ``factory`` builds a fresh actor for ``restart``."""
-
-    def __init__(self, actor, factory: Callable[[], Any] | None = None):
-        super().__init__()
-        self.actor = actor
-        self.factory = factory
-
-    async def call(self, method: str, *args):
-        result = getattr(self.actor, method)(*args)
-        return await result if asyncio.iscoroutine(result) else result
-
-    def stream(self, method: str, *args) -> AsyncIterator:
-        return getattr(self.actor, method)(*args)
-
-    async def restart(self, kill: bool) -> EngineInfo:
-        if self.factory is None:
-            raise RuntimeError("this replica cannot be restarted (no factory)")
-        old, self.actor = self.actor, self.factory()
-        for outbox in list(old._channels.values()):  # what a killed process would lose
-            outbox.close()
-        return await self.start()
-
-
-class RayReplicaHandle(ChannelReplicaHandle):
-    """An ``EngineActor`` in the Ray cluster."""
-
-    def __init__(self, actor):
-        super().__init__()
-        self.actor = actor
-
-    async def call(self, method: str, *args):
-        return await getattr(self.actor, method).remote(*args)
-
-    async def health(self) -> ReplicaHealth:
-        from ray.exceptions import RayActorError
-
-        try:
-            return await self.call("health")
-        except RayActorError as e:
-            raise TandemError(ErrorKind.ENGINE_DEAD, f"the replica's actor died: {type(e).__name__}") from e
-
-    async def restart(self, kill: bool) -> EngineInfo:
-        """Ray restarts a dead actor (``max_restarts``); a stuck one is killed first. Calls made
-        while it restarts fail or wait; retried until a *new* process has started its engine (a
-        call may still reach the old one while the kill is under way: its incarnation tells)."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        old = None
-        if kill:
-            try:
-                old = (await asyncio.wait_for(self.call("describe"), 5))["incarnation"]
-            except Exception:  # noqa: BLE001 - dead or unresponsive: any answer later is a new one
-                old = None
-            try:
-                ray.kill(self.actor, no_restart=False)
-            except Exception as e:  # noqa: BLE001 - already gone: Ray restarts it anyway
-                logger.info("kill before restart: %s: %s", type(e).__name__, e)
-        delay = 0.2
-        while True:
-            try:
-                info = await self.call("start")
-                if old is None or (await self.call("describe"))["incarnation"] != old:
-                    break
-            except RayActorError as e:
-                logger.debug("replica not back yet: %s", type(e).__name__)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
-        self._reopen_channel()
-        return info
-
-    def _reopen_channel(self) -> None:
-        """A channel to the new process (one opened to the old one breaks without telling)."""
-        if self._reader is not None:
-            self._reader.cancel()
-        self._demux = None
-        self._channel()
-
-    async def stream(self, method: str, *args) -> AsyncIterator:
-        gen = getattr(self.actor, method).options(num_returns="streaming").remote(*args)
-        try:
-            async for ref in gen:
-                yield await ref
-        finally:
-            import ray
-
-            ray.cancel(gen)
-
-    def _dead(self, exc: BaseException) -> TandemError:
-        from ray.exceptions import RayActorError
-
-        if isinstance(exc, RayActorError):
-            return TandemError(ErrorKind.ENGINE_DEAD, "the replica serving this request died")
-        logger.error("replica call failed: %s: %s", type(exc).__name__, exc)
-        return TandemError(ErrorKind.ENGINE_ERROR, "the replica failed on this request")

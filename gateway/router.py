@@ -26,9 +26,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from gateway.errors import ErrorKind, TandemError
 from gateway.limits import estimate_tokens
 from gateway.replicas import Replica, ReplicaState
+from tandem_core.errors import ErrorKind, TandemError
 
 RATE_WINDOW_S = 30.0
 

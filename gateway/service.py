@@ -12,11 +12,11 @@ import time
 from functools import partial
 from typing import Protocol
 
-from gateway.config import ModelConfig, TandemConfig
-from gateway.errors import ErrorKind, TandemError
 from gateway.metrics import Metrics
 from gateway.replicas import Replica, ReplicaState
 from gateway.router import ModelPool, Router
+from tandem_core.config import ModelConfig, TandemConfig
+from tandem_core.errors import ErrorKind, TandemError
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,8 @@ class Service:
         self.loop = asyncio.get_running_loop()
         for model in self.config.models:
             pool = self.router.pools[model.name]
-            pool.replicas = self.deployment.create_replicas(model)
+            pool.replicas = [Replica(id=rid, model=model.name, handle=handle)
+                             for rid, handle in self.deployment.create_replicas(model)]
             for replica in pool.replicas:
                 replica.handle.on_broken = partial(self._on_broken, replica)
                 self._spawn(self._start_replica(replica))

@@ -10,8 +10,8 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from gateway.errors import ErrorKind, TandemError
-from workers.protocol import DONE
+from tandem_core.errors import ErrorKind, TandemError
+from tandem_core.protocol import DONE
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

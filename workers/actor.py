@@ -1,7 +1,7 @@
 """The thin Ray actor shell around one engine (one replica, one GPU).
 
 It owns no serving logic: it builds the engine from the model's config, starts it, runs
-requests and sends what they yield back over the caller's channel (``workers/channel.py``).
+requests and sends what they yield back over the caller's channel (``workers/transport/channel.py``).
 Errors go back as values. The class is plain Python: ``workers.deployment`` wraps it with
 ``ray.remote``; unit tests call it in-process.
 """
@@ -15,10 +15,9 @@ import os
 import uuid
 from collections.abc import AsyncIterator
 
-from gateway.config import ModelConfig
-from gateway.errors import ErrorKind, TandemError
-from workers.channel import Batch, Outbox
-from workers.protocol import (
+from tandem_core.config import ModelConfig
+from tandem_core.errors import ErrorKind, TandemError
+from tandem_core.protocol import (
     DONE_ROUTES,
     Engine,
     EngineInfo,
@@ -29,6 +28,7 @@ from workers.protocol import (
     served_routes,
 )
 from workers.registry import create_engine
+from workers.transport.channel import Batch, Outbox
 
 logger = logging.getLogger(__name__)
 CHANNEL_WAIT_S = 10.0
@@ -75,12 +75,12 @@ class EngineActor:
             self._channels.pop(channel_id, None)
 
     async def submit(self, channel_id: str, route: str, body: dict, request_id: str) -> None:
-        """Start a request; its items (see ``workers.protocol``) go out on the channel."""
+        """Start a request; its items (see ``tandem_core.protocol``) go out on the channel."""
         outbox = await self._outbox(channel_id)
         outbox.start(request_id, self._items(route, body, request_id), done_framed=route in DONE_ROUTES)
 
     def _items(self, route: str, body: dict, request_id: str) -> AsyncIterator[Item]:
-        if route in served_routes(self.engine):  # one engine method per route (workers.protocol)
+        if route in served_routes(self.engine):  # one engine method per route (tandem_core.protocol)
             return getattr(self.engine, route)(body, request_id)
         return _one(route_not_served(route, self.cfg.name, self.cfg.kind.value, served_routes(self.engine)))
 

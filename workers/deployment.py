@@ -6,8 +6,8 @@ import logging
 import os
 from pathlib import Path
 
-from gateway.config import ModelConfig, TandemConfig
-from gateway.replicas import RayReplicaHandle, Replica
+from tandem_core.config import ModelConfig, TandemConfig
+from workers.transport.handles import RayReplicaHandle
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ class RayDeployment:
                 logger.info("starting a local Ray (%d CPUs)", cpus)
                 ray.init(num_cpus=cpus, include_dashboard=False, namespace="tandem")
 
-    def create_replicas(self, model: ModelConfig) -> list[Replica]:
+    def create_replicas(self, model: ModelConfig) -> list[tuple[str, RayReplicaHandle]]:
+        """One actor per replica of ``model``: (replica id, its handle) each."""
         import ray
 
         from workers.actor import EngineActor
@@ -61,7 +62,7 @@ class RayDeployment:
                 options["runtime_env"] = {"env_vars": dict(model.env)}
             actor = remote_cls.options(**options).remote(model.model_dump(mode="json"), source, rid, self.engine_key)
             self._actors.append(actor)
-            replicas.append(Replica(id=rid, model=model.name, handle=RayReplicaHandle(actor)))
+            replicas.append((rid, RayReplicaHandle(actor)))
         return replicas
 
     def placement_problem(self, model: ModelConfig) -> str | None:

@@ -19,8 +19,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.errors import ErrorKind, TandemError, invalid
-from workers.protocol import DONE, EngineInfo, EngineStats, Item
+from tandem_core.errors import ErrorKind, TandemError, invalid
+from tandem_core.protocol import DONE, EngineInfo, EngineStats, Item
+from workers.actor import EngineActor
+from workers.transport.handles import LocalReplicaHandle
 
 
 class FakeEngine:
@@ -223,10 +225,7 @@ class FakeDeployment:
         self.engine_args = engine_args
         self.engines: dict[str, FakeEngine] = {}
 
-    def create_replicas(self, model) -> list:
-        from gateway.replicas import LocalReplicaHandle, Replica
-        from workers.actor import EngineActor
-
+    def create_replicas(self, model) -> list[tuple[str, LocalReplicaHandle]]:
         def make(rid: str) -> EngineActor:  # also how a "restarted" replica gets a fresh engine
             engine = FakeEngine(model.name, self.engine_args if self.engine_args is not None else model.engine_args)
             self.engines[rid] = engine
@@ -235,8 +234,7 @@ class FakeDeployment:
         out = []
         for i in range(model.replicas):
             rid = f"{model.name}/{i}"
-            handle = LocalReplicaHandle(make(rid), factory=lambda rid=rid: make(rid))
-            out.append(Replica(id=rid, model=model.name, handle=handle))
+            out.append((rid, LocalReplicaHandle(make(rid), factory=lambda rid=rid: make(rid))))
         return out
 
     def placement_problem(self, model) -> str | None:

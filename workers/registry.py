@@ -12,8 +12,8 @@ from collections.abc import Callable
 from importlib import import_module
 from importlib.metadata import entry_points
 
-from gateway.config import ModelConfig
-from workers.protocol import Engine
+from tandem_core.config import ModelConfig
+from tandem_core.protocol import Engine
 
 Factory = Callable[[ModelConfig, str], Engine]
 

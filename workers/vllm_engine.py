@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from gateway.errors import ErrorKind, TandemError, invalid, kind_for_status
-from workers.protocol import DONE, EngineInfo, EngineStats, Item
+from tandem_core.errors import ErrorKind, TandemError, invalid, kind_for_status
+from tandem_core.protocol import DONE, EngineInfo, EngineStats, Item
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class _Totals:
 
 
 class VllmEngine:
-    """Implements ``workers.protocol.Engine`` with vLLM."""
+    """Implements ``tandem_core.protocol.Engine`` with vLLM."""
 
     def __init__(self, model: str, source: str, engine_args: dict[str, Any], avoid_worker_cores: bool = True):
         self.model = model
@@ -182,7 +182,7 @@ class VllmEngine:
             extra={"source": self.source},
         )
 
-    # One method per route (``workers.protocol.ROUTES``), each calling the serving object vLLM's
+    # One method per route (``tandem_core.protocol.ROUTES``), each calling the serving object vLLM's
     # own route handler calls, as it calls it (vllm/entrypoints/**/api_router.py).
 
     def chat(self, body: dict, request_id: str) -> AsyncIterator[Item]:

@@ -16,7 +16,7 @@ def _free_port() -> int:
 
 def test_diffusion_benchmark_runs_on_gpu(tmp_path, shape_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "gateway.cli", "bench", "--mode", "diffusion", "--model", "shape-diffusiongemma",
+    cmd = [sys.executable, "-m", "tandem_tools.cli", "bench", "--mode", "diffusion", "--model", "shape-diffusiongemma",
            "--device", "cuda", "--concurrency", "1,2", "--requests", "2", "--max-tokens", "256", "--steps", "2",
            "--boundaries", "block", "--samplers", "exact,fast", "--port", str(_free_port()), "--out", str(out),
            "--ready-timeout", "300"]

@@ -95,7 +95,7 @@ def stack(tmp_path_factory) -> Stack:
     cfg_path.write_text(yaml.safe_dump(config))
     log = tmp / "serve.log"
     # A new process group (not a new session): one signal reaches Ray and vLLM too.
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg_path)],
+    proc = subprocess.Popen([sys.executable, "-m", "tandem_tools.cli", "serve", "--config", str(cfg_path)],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO, process_group=0)
     s = Stack(f"http://127.0.0.1:{port}", log, config)
     deadline = time.monotonic() + READY_TIMEOUT_S

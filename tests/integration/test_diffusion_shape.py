@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from diffusion_plugin.engine import DiffusionEngine
-from gateway.errors import TandemError
+from tandem_core.errors import TandemError
 from workers import tiny_models
 
 

@@ -215,7 +215,7 @@ def store_stack(tmp_path_factory):
                           "engine_args": ENGINE_ARGS}]}
     (tmp / "config.yaml").write_text(yaml.safe_dump(config))
     log = tmp / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(tmp / "config.yaml")],
+    proc = subprocess.Popen([sys.executable, "-m", "tandem_tools.cli", "serve", "--config", str(tmp / "config.yaml")],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO, process_group=0)
     s = Stack(f"http://127.0.0.1:{port}", log, config)
 

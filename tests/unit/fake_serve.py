@@ -3,9 +3,10 @@
 import sys
 
 from gateway.app import build_app
-from gateway.cli import _setup_logging, run_server
 from gateway.config import parse_config
+from gateway.server import run_server
 from gateway.service import Service
+from tandem_tools.cli import _setup_logging
 from workers.fake_engine import FakeDeployment
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 import math
 
-from gateway.bench import _bodies, _vllm_flags, format_table
-from gateway.cli import build_parser
-from gateway.loadgen import LevelResult, percentile
+from tandem_tools.bench import _bodies, _vllm_flags, format_table
+from tandem_tools.cli import build_parser
+from tandem_tools.loadgen import LevelResult, percentile
 
 
 def test_percentile():
@@ -44,7 +44,7 @@ def test_proc_readers_see_this_process_and_its_children():
     import subprocess
     import sys
 
-    from gateway.bench_diffusion import proc_cpu_s, proc_mem, proc_tree, reset_peak
+    from tandem_tools.bench_diffusion import proc_cpu_s, proc_mem, proc_tree, reset_peak
 
     # a child that stays alive until killed below (its sleep is its lifetime, not a synchronisation)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -66,7 +66,7 @@ def test_proc_readers_see_this_process_and_its_children():
 
 
 def test_memory_per_row_and_request_counts():
-    from gateway.bench_diffusion import MB, memory_per_row, num_requests
+    from tandem_tools.bench_diffusion import MB, memory_per_row, num_requests
 
     m = memory_per_row(100 * MB, 500 * MB, 300 * MB, 4)
     assert (m["peak_growth_per_row_mb"], m["mean_growth_per_row_mb"], m["rss_before_mb"]) == (100, 50, 100)
@@ -76,7 +76,7 @@ def test_memory_per_row_and_request_counts():
 
 
 def test_diffusion_bodies_carry_steps_and_seeds():
-    from gateway.bench_diffusion import bodies
+    from tandem_tools.bench_diffusion import bodies
 
     a = bodies("m", 3, 256, seed=4, steps=8)
     assert a == bodies("m", 3, 256, seed=4, steps=8)
@@ -88,7 +88,7 @@ def test_diffusion_bodies_carry_steps_and_seeds():
 def test_tandem_config_sets_the_sampler_and_one_thread():
     import argparse
 
-    from gateway.bench_diffusion import tandem_config
+    from tandem_tools.bench_diffusion import tandem_config
 
     args = argparse.Namespace(port=9, memory_budget_gib=0)
     exact = tandem_config(args, "m", "/p", "exact", "row", 4)["models"][0]["engine_args"]
@@ -101,7 +101,7 @@ def test_tandem_config_sets_the_sampler_and_one_thread():
 def test_levels_and_model_names():
     import argparse
 
-    from gateway.bench_diffusion import _model, levels_for
+    from tandem_tools.bench_diffusion import _model, levels_for
 
     def ns(**kw):
         return argparse.Namespace(**{"concurrency": "1,8,32", "model": "tiny-diffusiongemma",
@@ -117,14 +117,14 @@ def test_levels_and_model_names():
 
 
 def test_fifo_latencies():
-    from gateway.bench_diffusion import fifo_latencies
+    from tandem_tools.bench_diffusion import fifo_latencies
 
     assert fifo_latencies([1.0, 1.0, 1.0], 1) == [1.0, 1.0, 1.0]
     assert fifo_latencies([1.0, 1.0], 2) == [1.0, 2.0]  # the second client waits for the first
 
 
 def test_diffusion_table_has_ratios_to_hf_sequential_and_skips():
-    from gateway.bench_diffusion import format_table
+    from tandem_tools.bench_diffusion import format_table
 
     results = {"hf sequential": {1: {"tokens_per_s": 5.0, "cpu_ms_per_token": 200.0}},
                "hf static batch": {1: {"skipped": "needs ~9.0 GiB > --max-rss-gib 7"}},
@@ -139,7 +139,7 @@ def test_diffusion_table_has_ratios_to_hf_sequential_and_skips():
 
 
 def test_engine_sampler_summarises_reservations_per_row():
-    from gateway.bench_diffusion import MB, EngineSampler
+    from tandem_tools.bench_diffusion import MB, EngineSampler
 
     s = EngineSampler("http://127.0.0.1:9", "m")
     s.samples = [{"running": 2, "memory_reserved_bytes": 100 * MB, "waiting_for_memory": 3},
@@ -151,7 +151,7 @@ def test_engine_sampler_summarises_reservations_per_row():
 
 
 def test_code_version_names_a_commit():
-    from gateway.bench_diffusion import code_version
+    from tandem_tools.bench_diffusion import code_version
 
     v = code_version()
     assert v and " " not in v

@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
-from gateway.errors import ErrorKind, TandemError
-from workers.channel import END, Demux, Outbox, items_of
-from workers.protocol import DONE
+from tandem_core.errors import ErrorKind, TandemError
+from tandem_core.protocol import DONE
+from workers.transport.channel import END, Demux, Outbox, items_of
 
 
 async def _gen(items, gate=None):

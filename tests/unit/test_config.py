@@ -54,7 +54,7 @@ def test_unreadable_and_non_yaml_files(tmp_path):
 
 
 def test_cli_exits_non_zero_on_a_bad_config(tmp_path, capsys):
-    from gateway.cli import main
+    from tandem_tools.cli import main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("models: []\n")

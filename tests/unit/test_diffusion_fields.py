@@ -16,7 +16,7 @@ from diffusion_plugin.responses import NEUTRAL as RESPONSES_NEUTRAL
 from diffusion_plugin.responses import ResponsesBody, to_messages
 from diffusion_plugin.runner import Runner
 from diffusion_plugin.scheduler import Scheduler
-from gateway.errors import TandemError
+from tandem_core.errors import TandemError
 from workers import tiny_models
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

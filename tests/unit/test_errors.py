@@ -3,7 +3,7 @@ import pickle
 
 import pytest
 
-from gateway.errors import STATUS_TABLE, ErrorKind, TandemError, kind_for_status
+from tandem_core.errors import STATUS_TABLE, ErrorKind, TandemError, kind_for_status
 
 
 def test_every_kind_has_a_status_and_type():

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from diffusion_plugin.images import ImageLimits, decode, extract_images, load_images
-from gateway.errors import TandemError
+from tandem_core.errors import TandemError
 
 LIMITS = ImageLimits(max_images=2, max_image_bytes=50_000, max_pixels=100_000)
 

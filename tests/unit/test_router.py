@@ -4,10 +4,10 @@ from collections import Counter
 
 import pytest
 
-from gateway.errors import ErrorKind, TandemError
 from gateway.replicas import Replica, ReplicaState
 from gateway.router import ModelPool, Router, request_cost
-from workers.protocol import EngineInfo
+from tandem_core.errors import ErrorKind, TandemError
+from tandem_core.protocol import EngineInfo
 
 
 def _pool(*states, kind="autoregressive", **kw):

@@ -9,13 +9,13 @@ import httpx
 import openai
 import pytest
 
-from gateway.errors import ErrorKind, TandemError
 from gateway.generate import replica_of_response, response_id
 from gateway.streaming import error_event
+from tandem_core.errors import ErrorKind, TandemError
+from tandem_core.protocol import ROUTES, served_routes
 from tests.unit.gateway_server import fake_gateway
 from tests.waiting import wait_for
 from workers.fake_engine import FakeEngine
-from workers.protocol import ROUTES, served_routes
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,9 @@ from pydantic import BaseModel, ValidationError
 from gateway import security
 from gateway.auth import AuthMiddleware, KeyStore, RateLimiter, ResolvedKey, TokenBucket, resolve_keys
 from gateway.limits import BodySizeLimit, check_limits, estimate_tokens
-from gateway.security import (
-    ApiKey,
-    AuthConfig,
-    BodyTooLarge,
-    CorsConfig,
-    LimitExceeded,
-    LimitsConfig,
-    RateLimited,
-    SecurityError,
-    Unauthenticated,
-    install_security,
-)
+from gateway.security import install_security
+from tandem_core.config import ApiKey, AuthConfig, CorsConfig, LimitsConfig
+from tandem_core.errors import BodyTooLarge, LimitExceeded, RateLimited, TandemError, Unauthenticated
 
 KEY = "sk-tandem-test-Zq8vXr2Lm9"
 OTHER = "sk-tandem-other-Hw3nPa7Tk1"
@@ -46,14 +37,14 @@ class FakeClock:
 
 def make_app(auth: AuthConfig | None = None, limits: LimitsConfig | None = None, cors: CorsConfig | None = None,
              clock: FakeClock | None = None, on_reject=None, reached: list | None = None) -> FastAPI:
-    """A tiny app wired like tandem's: SecurityError handler, a catch-all Exception handler, a
+    """A tiny app wired like tandem's: TandemError handler, a catch-all Exception handler, a
     chat route that parses JSON and calls check_limits then check_tokens."""
     auth = auth if auth is not None else AuthConfig(api_keys=[ApiKey(key=KEY, name="alice"), ApiKey(key=OTHER)])
     limits = limits or LimitsConfig()
     app = FastAPI()
 
-    @app.exception_handler(SecurityError)
-    async def _refused(request: Request, exc: SecurityError):
+    @app.exception_handler(TandemError)
+    async def _refused(request: Request, exc: TandemError):
         return JSONResponse(exc.envelope(), status_code=exc.status, headers=exc.headers())
 
     @app.exception_handler(Exception)
@@ -470,7 +461,7 @@ def test_error_envelopes_and_headers():
     b = BodyTooLarge(10)
     assert (b.status, b.code, b.error_type) == (413, "request_too_large", "invalid_request_error")
     assert (LimitExceeded("m", "p").status, LimitExceeded("m", "p").param) == (400, "p")
-    assert all(issubclass(c, SecurityError) for c in (Unauthenticated, RateLimited, LimitExceeded, BodyTooLarge))
+    assert all(issubclass(c, TandemError) for c in (Unauthenticated, RateLimited, LimitExceeded, BodyTooLarge))
 
 
 # ---------------------------------------------------------------- ASGI: auth
@@ -625,15 +616,15 @@ def chunks(*parts: bytes):
 
 @pytest.mark.parametrize("handler", ["security_error", "exception_only", "pydantic_body"])
 def test_413_on_a_chunked_body_growing_past_the_limit(handler, caplog):
-    """Whatever the app does with the exception raised from receive (its own SecurityError
+    """Whatever the app does with the exception raised from receive (its own TandemError
     handler, a catch-all 500, FastAPI's 400 for a body it cannot parse), the answer is 413."""
     caplog.set_level(logging.DEBUG)
     app = FastAPI()
     reached = []
 
     if handler == "security_error":
-        @app.exception_handler(SecurityError)
-        async def _refused(request: Request, exc: SecurityError):
+        @app.exception_handler(TandemError)
+        async def _refused(request: Request, exc: TandemError):
             return JSONResponse(exc.envelope(), status_code=exc.status, headers=exc.headers())
 
     @app.exception_handler(Exception)

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from diffusion_plugin import tiny_model
 from workers import tiny_models
+from workers.tiny_models import diffusiongemma as tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 server at a time (on a small box they would otherwise fight for the same cores).
 
 Servers start in a new process group of this session (a new *session* was seen to deliver
-streams in bursts, ~10x worse TTFT); the load comes from ``gateway.loadgen`` (httpx).
+streams in bursts, ~10x worse TTFT); the load comes from ``tandem_tools.loadgen`` (httpx).
 """
 
 from __future__ import annotations
@@ -13,18 +13,15 @@ import asyncio
 import json
 import logging
 import os
-import random
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import yaml
 
-from gateway.loadgen import LevelResult, run_level
+from tandem_tools.loadgen import LevelResult, run_level
+from tandem_tools.servers import Server, prompts
+from workers import tiny_models
 
 logger = logging.getLogger("tandem.bench")
 ENGINE_ARGS = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 64, "dtype": "float32"}
@@ -45,21 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8123, help="port for the server under test (default: 8123)")
     p.add_argument("--out", help="also write the results as JSON to this file")
     p.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for a server to be ready")
-    from gateway.bench_diffusion import add_arguments as add_diffusion_arguments
-
-    add_diffusion_arguments(p)
-
-
-def _prompts(n: int, seed: int = 0) -> list[str]:
-    lines = [ln for ln in CORPUS.read_text().splitlines() if ln.strip()]
-    rng = random.Random(seed)
-    return [" ".join(rng.sample(lines, rng.randint(1, 3))) for _ in range(n)]
 
 
 def _bodies(n: int, max_tokens: int, seed: int) -> list[dict]:
     return [{"model": "tiny-llama", "messages": [{"role": "user", "content": p}], "max_tokens": max_tokens,
              "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0}
-            for p in _prompts(n, seed)]
+            for p in prompts(n, seed)]
 
 
 def _vllm_flags(engine_args: dict) -> list[str]:
@@ -73,46 +61,6 @@ def _vllm_flags(engine_args: dict) -> list[str]:
     return flags
 
 
-class Server:
-    def __init__(self, name: str, argv: list[str], port: int, ready_path: str, log: Path, env: dict):
-        self.name, self.argv, self.port, self.ready_path, self.log = name, argv, port, ready_path, log
-        self.env = env
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> Server:
-        logger.info("starting %s: %s (log: %s)", self.name, " ".join(self.argv), self.log)
-        self.proc = subprocess.Popen(self.argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                     env=self.env, process_group=0)
-        return self
-
-    def wait_ready(self, timeout: float) -> None:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); see {self.log}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}{self.ready_path}", timeout=2).status_code == 200:
-                    logger.info("%s ready in %.0f s", self.name, time.monotonic() - t0)
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s; see {self.log}")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, TypeError):
-            pass
-        time.sleep(2)  # let the cores go quiet before the next server
-
-
 def _servers(args, model_path: str, workdir: Path) -> dict[str, Server]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     cfg = {
@@ -124,9 +72,9 @@ def _servers(args, model_path: str, workdir: Path) -> dict[str, Server]:
     }
     cfg_path = workdir / "tandem.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
-    tandem = Server("tandem", [sys.executable, "-m", "gateway.cli", "--log-level", "warning", "serve",
+    tandem = Server("tandem", [sys.executable, "-m", "tandem_tools.cli", "--log-level", "warning", "serve",
                                "--config", str(cfg_path)], args.port, "/ready", workdir / "tandem.log", env)
-    direct = Server("direct", [sys.executable, "-m", "gateway.vllm_cli_shim", "serve", model_path,
+    direct = Server("direct", [sys.executable, "-m", "tandem_tools.vllm_cli_shim", "serve", model_path,
                                "--served-model-name", "tiny-llama", "--host", "127.0.0.1", "--port", str(args.port),
                                "--disable-uvicorn-access-log", *_vllm_flags(ENGINE_ARGS)],
                     args.port, "/v1/models", workdir / "direct.log", env)
@@ -178,13 +126,6 @@ def format_table(results: dict[str, dict[int, LevelResult]], levels: list[int]) 
 
 
 def main(args: argparse.Namespace) -> int:
-    from workers import tiny_models
-
-    if args.mode == "diffusion":
-        from gateway.bench_diffusion import main as diffusion_main
-
-        return diffusion_main(args)
-
     logging.getLogger("httpx").setLevel(logging.WARNING)
     levels = [int(x) for x in args.concurrency.split(",")]
     targets = [t.strip() for t in args.targets.split(",")]

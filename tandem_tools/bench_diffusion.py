@@ -34,7 +34,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from gateway.loadgen import percentile, run_level
+from tandem_tools.loadgen import percentile, run_level
+from tandem_tools.servers import Server, prompts
 
 logger = logging.getLogger("tandem.bench")
 TINY = "tiny-diffusiongemma"
@@ -184,9 +185,8 @@ def memory_per_row(before_rss: int, peak: int, mean_rss: float, rows: int) -> di
 
 # -- the load -------------------------------------------------------------------------------
 def _texts(n: int, seed: int) -> list[str]:
-    from gateway.bench import _prompts
 
-    return _prompts(n, seed)
+    return prompts(n, seed)
 
 
 def num_requests(requests: int, c: int) -> int:
@@ -236,12 +236,11 @@ def tandem_config(args, name: str, model_path: str, sampler: str, boundaries: st
 
 def run_tandem(args, name: str, model_path: str, workdir: Path, levels: list[int], sampler: str,
                boundaries: str, max_batch: int) -> dict:
-    from gateway.bench import Server
 
     tag = f"{sampler}-{boundaries}"
     path = workdir / f"tandem-{tag}.yaml"
     path.write_text(yaml.safe_dump(tandem_config(args, name, model_path, sampler, boundaries, max_batch)))
-    server = Server(f"tandem ({tag})", [sys.executable, "-m", "gateway.cli", "--log-level", "warning",
+    server = Server(f"tandem ({tag})", [sys.executable, "-m", "tandem_tools.cli", "--log-level", "warning",
                                         "serve", "--config", str(path)],
                     args.port, "/ready", workdir / f"tandem-{tag}.log", dict(os.environ))
     out = {}
@@ -295,7 +294,7 @@ def run_hf(args, model_path: str, workdir: Path, levels: list[int]) -> tuple[dic
             "requests": args.requests, "max_rss_gib": args.max_rss_gib, "device": getattr(args, "device", "cpu")}
     log = workdir / "hf.log"
     with log.open("w") as err:
-        proc = subprocess.run([sys.executable, "-m", "gateway.bench_diffusion", "--hf-child", json.dumps(spec)],
+        proc = subprocess.run([sys.executable, "-m", "tandem_tools.bench_diffusion", "--hf-child", json.dumps(spec)],
                               stdout=subprocess.PIPE, stderr=err, text=True, timeout=args.level_timeout * 4)
     if proc.returncode != 0:
         raise RuntimeError(f"HF generate() child failed ({proc.returncode}); see {log}: {log.read_text()[-2000:]}")
@@ -538,4 +537,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--hf-child":
         print(json.dumps(_hf_child(json.loads(sys.argv[2]))))
         sys.exit(0)
-    sys.exit("usage: python -m gateway.bench_diffusion --hf-child SPEC (use `tandem bench --mode diffusion`)")
+    sys.exit("usage: python -m tandem_tools.bench_diffusion --hf-child SPEC (use `tandem bench --mode diffusion`)")

@@ -1,23 +1,14 @@
-"""Build tandem's built-in tiny models: random weights, a real BPE tokenizer, a chat template.
-
-They generate nonsense. They exist so that the whole system (vLLM in a Ray actor, the
-gateway, the tests, the benchmarks) runs on any machine, offline. Everything is built
-deterministically from a fixed seed and the corpus shipped in ``workers/data/``.
-"""
+"""``tiny-llama`` (random weights, a real BPE tokenizer, a chat template) and the tokenizer every
+built-in model shares, trained deterministically on the corpus shipped in ``workers/data/``."""
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-CORPUS = Path(__file__).parent / "data" / "corpus.txt"
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / "models"
-TINY_LLAMA = "tiny-llama"
-BUILD_VERSION = 2  # bump when the recipe changes, so stale builds are rebuilt (per model: VERSIONS)
+CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -97,59 +88,3 @@ def build_tiny_llama(out: Path, seed: int = 0) -> None:
     GenerationConfig(
         bos_token_id=ids["<s>"], eos_token_id=[ids["<|im_end|>"], ids["</s>"]], pad_token_id=ids["<pad>"]
     ).save_pretrained(out)
-
-
-def build_tiny_diffusiongemma(out: Path, seed: int = 0) -> None:
-    from diffusion_plugin.tiny_model import build_tiny_diffusiongemma as build_dg
-
-    build_dg(out, seed)
-
-
-def build_shape_diffusiongemma(out: Path, seed: int = 0) -> None:
-    from diffusion_plugin.tiny_model import build_shape_diffusiongemma as build_shape
-
-    build_shape(out, seed)
-
-
-TINY_DIFFUSIONGEMMA = "tiny-diffusiongemma"
-# DiffusionGemma's real canvas (256) and vocabulary (262,144) on a tiny trunk: ~170 MB, built in
-# seconds; for benchmarks and tests/gpu (diffusion_plugin/tiny_model.py says why).
-SHAPE_DIFFUSIONGEMMA = "shape-diffusiongemma"
-BUILDERS = {TINY_LLAMA: build_tiny_llama, TINY_DIFFUSIONGEMMA: build_tiny_diffusiongemma,
-            SHAPE_DIFFUSIONGEMMA: build_shape_diffusiongemma}
-# A model's own recipe version, so that a new or changed model does not rebuild the others.
-VERSIONS = {TINY_LLAMA: BUILD_VERSION, TINY_DIFFUSIONGEMMA: BUILD_VERSION, SHAPE_DIFFUSIONGEMMA: 1}
-
-
-def _stamp(path: Path) -> Path:
-    return path / "tandem_build.json"
-
-
-def is_built(path: Path, name: str | None = None) -> bool:
-    stamp = _stamp(path)
-    version = VERSIONS.get(name or path.name, BUILD_VERSION)
-    return stamp.exists() and json.loads(stamp.read_text()).get("version") == version
-
-
-def build(name: str, root: Path = DEFAULT_DIR, force: bool = False) -> Path:
-    """Build one built-in model under ``root/name`` unless an up-to-date build is there."""
-    if name not in BUILDERS:
-        raise KeyError(f"unknown built-in model {name!r}; known: {sorted(BUILDERS)}")
-    path = root / name
-    if is_built(path, name) and not force:
-        return path
-    logger.info("building built-in model %s in %s", name, path)
-    tmp = root / f".{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    BUILDERS[name](tmp)
-    _stamp(tmp).write_text(json.dumps({"name": name, "version": VERSIONS[name]}))
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
-    logger.info("built %s", path)
-    return path
-
-
-def build_all(root: Path = DEFAULT_DIR, force: bool = False, only: list[str] | None = None) -> list[Path]:
-    """Build every built-in model (or only the named ones) that is missing or stale."""
-    return [build(name, root, force) for name in (only or BUILDERS)]

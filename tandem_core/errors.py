@@ -8,7 +8,9 @@ OpenAI envelope ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from enum import Enum
+from typing import Any
 
 
 class ErrorKind(str, Enum):
@@ -77,7 +79,7 @@ class TandemError(Exception):
         return f"TandemError({self.kind.value}, {self.message!r}, param={self.param!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, TandemError) and self.args == other.args
+        return type(other) is type(self) and self.args == other.args  # type: ignore[union-attr]
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
@@ -88,19 +90,74 @@ class TandemError(Exception):
     def status(self) -> int:
         return STATUS_TABLE[self.kind][0]
 
+    @property
+    def error_type(self) -> str:
+        return STATUS_TABLE[self.kind][1]
+
+    @property
+    def code(self) -> str | int:
+        return _CODES.get(self.kind, self.status)
+
     def envelope(self) -> dict:
         return {
             "error": {
                 "message": self.message,
-                "type": STATUS_TABLE[self.kind][1],
+                "type": self.error_type,
                 "param": self.param,
-                "code": _CODES.get(self.kind, self.status),
+                "code": self.code,
             }
         }
 
     def sse(self) -> str:
         """The last event of a stream that failed after it began (followed by [DONE])."""
         return f"data: {json.dumps(self.envelope())}\n\n"
+
+
+    async def send_to(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        """Answer with this error directly on an ASGI ``send`` (the edge middlewares refuse with it)."""
+        body = json.dumps(self.envelope()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(k.lower().encode(), v.encode()) for k, v in self.headers().items()]
+        await send({"type": "http.response.start", "status": self.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+# ---------------------------------------------------------------- refusals at the gateway's edge
+# Raised by the auth, rate-limit and input-limit checks; the same taxonomy, the same handler.
+# Each keeps its own constructor arguments as ``args`` (pickling rebuilds it from them).
+
+
+class Unauthenticated(TandemError):
+    def __init__(self, message: str):
+        super().__init__(ErrorKind.UNAUTHORIZED, message)
+        self.args = (message,)
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
+
+class RateLimited(TandemError):
+    def __init__(self, retry_after: int, message: str):
+        super().__init__(ErrorKind.RATE_LIMITED, message, retry_after=max(1, int(retry_after)))
+        self.args = (retry_after, message)
+
+
+class LimitExceeded(TandemError):
+    """An input limit (400, the field named in ``param``)."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(ErrorKind.INVALID_REQUEST, message, param)
+        self.args = (message, param)
+
+
+class BodyTooLarge(TandemError):
+    def __init__(self, max_body_bytes: int):
+        super().__init__(ErrorKind.REQUEST_TOO_LARGE,
+                         f"the request body is larger than the limit of {max_body_bytes} bytes")
+        self.args = (max_body_bytes,)
+
+    def headers(self) -> dict[str, str]:
+        return {"Connection": "close"}  # the rest of the body is never read
 
 
 def kind_for_status(status: int) -> ErrorKind:

@@ -1,4 +1,5 @@
-"""The ``tandem`` command: serve, build-tiny-models, bench."""
+"""The ``tandem`` command: serve, build-tiny-models, bench (the top floor: it composes the
+gateway, the workers and the tools; nothing imports it)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import logging
 import sys
 from pathlib import Path
 
-from gateway.config import DEFAULT_CONFIG, ConfigError, load_config
+from gateway.app import build_app
+from gateway.config import ConfigError, load_config
+from gateway.server import run_server
+from gateway.service import Service
+from tandem_core.config import DEFAULT_CONFIG
+from tandem_tools import bench, bench_diffusion
+from workers import tiny_models
+from workers.deployment import RayDeployment
 
 logger = logging.getLogger("tandem")
 
@@ -27,9 +35,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     gw = config.gateway.model_copy(update=overrides)
     config = config.model_copy(update={"gateway": gw})
 
-    from gateway.app import build_app
-    from gateway.service import Service
-    from workers.deployment import RayDeployment
 
     logger.info("config %s: %d model(s): %s", args.config or DEFAULT_CONFIG, len(config.models),
                 ", ".join(f"{m.name} ({m.kind.value}, {m.replicas} replica(s))" for m in config.models))
@@ -40,38 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_server(app, service, log_level: str = "info", access_log: bool = False) -> None:
-    """uvicorn, with a graceful SIGTERM: /ready turns 503, new requests are refused (503), the
-    requests in flight finish (up to gateway.drain_timeout_s), then the process exits 0."""
-    import asyncio
-    import signal
-
-    import uvicorn
-
-    class DrainingServer(uvicorn.Server):
-        draining = False
-
-        def handle_exit(self, sig, frame):
-            if sig == signal.SIGTERM and self.started and not self.draining:
-                self.draining = True
-                loop = asyncio.get_event_loop()
-                loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
-                return
-            super().handle_exit(sig, frame)  # a second signal, or SIGINT: uvicorn's own exit
-
-        async def _drain(self):
-            await service.drain()
-            self.should_exit = True
-
-    gw = service.config.gateway
-    config = uvicorn.Config(app, host=gw.host, port=gw.port, log_level=log_level.lower(), access_log=access_log,
-                            timeout_graceful_shutdown=5)
-    DrainingServer(config).run()
-
-
 def cmd_build_tiny_models(args: argparse.Namespace) -> int:
-    from workers import tiny_models
-
     out = Path(args.out) if args.out else tiny_models.DEFAULT_DIR
     only = [n.strip() for n in args.only.split(",")] if args.only else None
     unknown = sorted(set(only or []) - set(tiny_models.BUILDERS))
@@ -85,9 +59,9 @@ def cmd_build_tiny_models(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from gateway.bench import main as bench_main
-
-    return bench_main(args)
+    if args.mode == "diffusion":
+        return bench_diffusion.main(args)
+    return bench.main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,15 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "on a tiny trunk, ~170 MB)")
     build.set_defaults(func=cmd_build_tiny_models)
 
-    from gateway.bench import add_arguments as add_bench_arguments
-
-    bench = sub.add_parser("bench", help="benchmark tandem against its peer on the same machine",
-                           description="Run the same streaming chat load against tandem and `vllm serve` "
+    bench_parser = sub.add_parser("bench", help="benchmark tandem against its peer on the same machine",
+                                  description="Run the same streaming chat load against tandem and `vllm serve` "
                                        "on the same tiny model, in one run, and print the ratios. With --mode "
                                        "diffusion: tandem's diffusion batcher (exact and fast samplers, block and "
                                        "row boundaries) against HF generate(), sequential and static batches.")
-    add_bench_arguments(bench)
-    bench.set_defaults(func=cmd_bench)
+    bench.add_arguments(bench_parser)
+    bench_diffusion.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -21,8 +21,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.errors import ErrorKind, TandemError
-from workers.protocol import DONE, Item
+from tandem_core.errors import ErrorKind, TandemError
+from tandem_core.protocol import DONE, Item
 
 logger = logging.getLogger(__name__)
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from workers.tiny_models.llama import SPECIAL_TOKENS, build_tokenizer
+
 EXTRA_SPECIAL_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 PATCH_SIZE, POOLING_KERNEL, MAX_SOFT_TOKENS = 4, 2, 70
 # ChatML, with image parts rendered as the image placeholder the processor expands.
@@ -113,7 +115,6 @@ def _build(out: Path, seed: int, canvas_length: int, vocab_size: int | None, tex
     )
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    from workers.tiny_models import SPECIAL_TOKENS, build_tokenizer
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

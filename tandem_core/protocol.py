@@ -21,11 +21,11 @@ Cancelling the iterator (client gone) aborts the request in the engine.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from gateway.errors import TandemError, invalid
+from tandem_core.errors import TandemError, invalid
 
 Route = Literal["chat", "completions", "responses", "responses_retrieve", "responses_cancel", "messages",
                 "messages_count_tokens", "tokenize", "detokenize"]
@@ -114,6 +114,25 @@ class Engine(Protocol):
 
     async def shutdown(self) -> None:
         """Release the model and every process the engine started."""
+
+
+class ReplicaHandle(Protocol):
+    """How the gateway reaches one replica (``workers/transport/handles.py`` implements it).
+    ``generate`` yields the request's ``Item``s; past ``timeout_at`` (event-loop time) it ends
+    with a 504 and aborts the request in the engine."""
+
+    on_broken: Callable[[TandemError], None] | None  # set by the service: the channel broke
+
+    def generate(self, route: str, body: dict, request_id: str,
+                 timeout_at: float | None = None) -> AsyncIterator[Item]: ...
+    async def abort(self, request_id: str) -> bool: ...
+    async def health(self) -> ReplicaHealth: ...
+    async def stats(self) -> EngineStats: ...
+    async def start(self) -> EngineInfo: ...
+    async def restart(self, kill: bool) -> EngineInfo: ...
+    def fail_in_flight(self, err: TandemError) -> None: ...
+    async def describe(self) -> dict: ...
+    async def shutdown(self) -> None: ...
 
 
 def route_not_served(route: str, model: str, kind: str, routes: tuple[str, ...]) -> TandemError:

@@ -1,0 +1,255 @@
+"""The configuration's types: one YAML file's schema (pydantic), shared by every package.
+
+Loading and validating a file is ``gateway.config.load_config``; these classes are what it
+returns and what workers and engines receive. Every field has a description (``tandem
+config --help`` and the docs read them).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+BUILTIN_PREFIX = "builtin:"
+MiB = 1024 * 1024
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ApiKey(_Strict):
+    key: SecretStr | None = Field(None, description="The key itself (prefer key_env or key_file: configs get shared).")
+    key_env: str | None = Field(None, min_length=1, description="An environment variable that holds the key.")
+    key_file: Path | None = Field(None, description="A file that holds the key (surrounding whitespace is stripped); "
+                                  "a relative path is relative to the config file's folder.")
+    name: str | None = Field(None, min_length=1, pattern=r"^\S(.*\S)?$",
+                             description="Shown in logs and messages instead of the key. Default: `key-<i>`, i "
+                             "being the 0-based position in auth.api_keys.")
+    requests_per_minute: int | None = Field(None, ge=1, description="Requests this key may make per minute "
+                                            "(burst: a minute's worth). None: auth.default_requests_per_minute.")
+    tokens_per_minute: int | None = Field(None, ge=1, description="Estimated tokens (prompt chars / 4 + max output "
+                                          "tokens x n) this key may spend per minute. None: "
+                                          "auth.default_tokens_per_minute.")
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> ApiKey:
+        given = [n for n in ("key", "key_env", "key_file") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of key, key_env, key_file (got {', '.join(given) or 'none'})")
+        return self
+
+
+class AuthConfig(_Strict):
+    api_keys: list[ApiKey] = Field(default_factory=list, description="The keys clients may send. With neither "
+                                   "api_keys nor api_keys_env, auth is off and every request is served.")
+    api_keys_env: str | None = Field(None, min_length=1, description="An environment variable holding more keys, "
+                                     "comma-separated; named `<VAR>[<i>]`, with the default limits.")
+    public_paths: list[str] = Field(default_factory=lambda: ["/health"], description="Paths served without a key "
+                                    "(exact match; add /metrics here for an unauthenticated scraper).")
+    ready_public: bool = Field(True, description="Serve /ready without a key too (load balancers probe it).")
+    default_requests_per_minute: int | None = Field(None, ge=1, description="Requests per minute of a key that "
+                                                    "names none. None: no limit.")
+    default_tokens_per_minute: int | None = Field(None, ge=1, description="Estimated tokens per minute of a key "
+                                                  "that names none. None: no limit.")
+
+    @model_validator(mode="after")
+    def _check(self) -> AuthConfig:
+        names = [k.name for k in self.api_keys if k.name is not None]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"API key names must be unique; repeated: {', '.join(dupes)}")
+        bad = [p for p in self.public_paths if not p.startswith("/")]
+        if bad:
+            raise ValueError(f"public paths must start with '/': {', '.join(bad)}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.api_keys) or self.api_keys_env is not None
+
+    def public(self) -> frozenset[str]:
+        return frozenset([*self.public_paths, *(["/ready"] if self.ready_public else [])])
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: int | None = Field(4 * MiB, ge=1, description="Largest request body in bytes; beyond, 413. "
+                                       "None: no limit.")
+    max_messages: int | None = Field(1024, ge=1, description="Most messages in a chat request, and prompts in a "
+                                     "batched completions request. None: no limit.")
+    max_tokens_ceiling: int | None = Field(None, ge=1, description="Largest max_tokens / max_completion_tokens a "
+                                           "request may ask for. None: only the model's context length bounds it.")
+    max_n: int | None = Field(16, ge=1, description="Largest n (and best_of): choices generated per request. "
+                              "None: no limit.")
+    max_prompt_chars: int | None = Field(1_000_000, ge=1, description="Most characters of prompt or message text "
+                                         "in one request (token-id prompts are left to the engine's context "
+                                         "check). None: no limit.")
+    max_json_depth: int = Field(32, ge=4, description="Deepest nesting of the JSON body (OpenAI requests need "
+                                "under 10; deeper is 400 before anything recurses over it).")
+    request_timeout_s: float | None = Field(600, gt=0, description="Wall-clock limit on one request, queueing and "
+                                            "generation included; the app enforces it. None: no limit.")
+
+
+class CorsConfig(_Strict):
+    allow_origins: list[str] = Field(default_factory=list, description="Origins that may call the API from a "
+                                     "browser ('*': any). Empty: CORS is off.")
+    allow_methods: list[str] = Field(default_factory=lambda: ["GET", "POST", "OPTIONS"],
+                                     description="Methods a cross-origin request may use.")
+    allow_headers: list[str] = Field(default_factory=lambda: ["*"], description="Request headers a cross-origin "
+                                     "request may send ('*' echoes what the preflight asks, Authorization included).")
+    expose_headers: list[str] = Field(default_factory=lambda: ["Retry-After", "X-Request-Id"],
+                                      description="Response headers a browser script may read.")
+    allow_credentials: bool = Field(False, description="Allow cookies / HTTP auth (never with origin '*').")
+    max_age: int = Field(600, ge=0, description="Seconds a browser may cache a preflight answer.")
+
+    @model_validator(mode="after")
+    def _no_credentials_for_any_origin(self) -> CorsConfig:
+        if self.allow_credentials and "*" in self.allow_origins:
+            raise ValueError("allow_credentials cannot be used with allow_origins '*'")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.allow_origins)
+
+    def middleware_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of starlette's ``CORSMiddleware``."""
+        return self.model_dump()
+
+
+
+class ModelKind(str, Enum):
+    AUTOREGRESSIVE = "autoregressive"
+    DIFFUSION = "diffusion"
+
+
+class Resources(_Strict):
+    num_gpus: float = Field(1, ge=0, description="GPUs each replica holds (Ray resource).")
+    num_cpus: float = Field(1, ge=0, description="CPUs each replica holds (Ray resource).")
+
+
+class SessionAffinity(_Strict):
+    enabled: bool = Field(False, description="Send a session's requests to the same replica (autoregressive "
+                          "models: its prefix cache holds the conversation so far).")
+    header: str = Field("x-session-id", min_length=1, description="Request header carrying the session key; "
+                        "without it, the body's `user` field is the key.")
+    load_factor: float = Field(1.25, ge=1, description="Bounded load: a session leaves its replica for the next "
+                               "one in its order while that replica holds more than this times the average load.")
+
+
+class ModelConfig(_Strict):
+    name: str = Field(min_length=1, description="The `model` clients ask for.")
+    kind: ModelKind = Field(description="autoregressive (vLLM) or diffusion (tandem's batcher).")
+    source: str = Field(
+        min_length=1,
+        description="A local path, a Hugging Face id, or `builtin:<name>` for a built-in tiny model.",
+    )
+    replicas: int = Field(1, ge=1, description="Ray actors to run, one per GPU.")
+    resources: Resources = Field(default_factory=Resources, description="Per-replica Ray resources.")
+    max_in_flight_per_replica: int | None = Field(
+        None, ge=1, description="Requests a replica takes at once; beyond, they queue in the gateway "
+        "(None: no limit, the engine queues them itself).")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to the engine unchanged (vLLM's engine and serving args)."
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables for the replica's process.")
+    session_affinity: SessionAffinity = Field(default_factory=SessionAffinity,
+                                              description="Optional session affinity (autoregressive only).")
+    max_tokens_ceiling: int | None = Field(
+        None, ge=1, description="Largest max_tokens / max_completion_tokens a request to this model may ask for "
+        "(overrides limits.max_tokens_ceiling).")
+    max_restarts: int = Field(-1, ge=-1, description="How often Ray restarts a replica's actor that died or was "
+                              "killed for being stuck (-1: always).")
+
+    @model_validator(mode="after")
+    def _affinity_is_autoregressive(self) -> ModelConfig:
+        if self.session_affinity.enabled and self.kind is not ModelKind.AUTOREGRESSIVE:
+            raise ValueError("session_affinity: only autoregressive models have a prefix cache to keep warm")
+        return self
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_clean(cls, v: str) -> str:
+        if v != v.strip() or v.startswith("/"):
+            raise ValueError("must not start with '/' or carry surrounding spaces")
+        return v
+
+    def is_builtin(self) -> bool:
+        return self.source.startswith(BUILTIN_PREFIX)
+
+    def builtin_name(self) -> str:
+        return self.source[len(BUILTIN_PREFIX) :]
+
+
+class GatewayConfig(_Strict):
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(8000, ge=0, le=65535, description="Port the HTTP server binds (0: any free port).")
+    health_interval_s: float = Field(5, gt=0, description="Seconds between replica health checks.")
+    health_timeout_s: float | None = Field(
+        None, gt=0, description="A health check slower than this fails (default: health_interval_s).")
+    unhealthy_after: int = Field(2, ge=1, description="Consecutive failed health checks that take a replica out "
+                                 "of rotation (it is then restarted).")
+    stall_timeout_s: float = Field(
+        60, gt=0, description="A replica that holds requests but has made no progress (tokens, denoise steps) "
+        "for this long is stuck: its requests fail and it is restarted.")
+    max_queue: int = Field(256, ge=0, description="Requests per model that may wait for a replica slot; "
+                           "beyond, 429 with Retry-After.")
+    drain_timeout_s: float = Field(30, ge=0, description="On SIGTERM: how long in-flight requests may take to "
+                                   "finish (readiness is false and new requests are refused meanwhile).")
+    avoid_engine_cores: bool = Field(
+        True,
+        description="On CPU nodes, keep the gateway off the cores vLLM's CPU worker is pinned to (replica "
+        "frontends always do). No effect on GPU nodes.",
+    )
+
+
+class MetricsConfig(_Strict):
+    port: int | None = Field(
+        None, ge=1, le=65535,
+        description="Serve /metrics on this port only (own listener), instead of on the API port.")
+    host: str = Field("127.0.0.1", description="Address of the separate metrics listener.")
+
+
+class RayConfig(_Strict):
+    address: str | None = Field(
+        None, description="Absent: start a local Ray. `auto` or an address: join that cluster."
+    )
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of a local Ray (default: enough for every replica).")
+
+
+class TandemConfig(_Strict):
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys and their rate limits (off "
+                             "by default: without keys every request is served).")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Input limits and the request timeout.")
+    cors: CorsConfig = Field(default_factory=CorsConfig, description="CORS for browser clients (off by default).")
+    config_dir: Path = Field(Path("."), description="Where relative paths in the config (key files) are resolved; "
+                             "set by the loader to the config file's folder.")
+    models: list[ModelConfig] = Field(min_length=1, description="The models to serve.")
+    models_dir: Path = Field(REPO_ROOT / "models", description="Where built-in tiny models are built.")
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        names = [m.name for m in models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
+        return models
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def limits_for(self, model: str) -> LimitsConfig:
+        """The input limits of one model: the global ones with its own max_tokens ceiling."""
+        m = self.model(model)
+        if m is None or m.max_tokens_ceiling is None:
+            return self.limits
+        return self.limits.model_copy(update={"max_tokens_ceiling": m.max_tokens_ceiling})

@@ -1,0 +1,116 @@
+"""tandem's packages import one way: each imports only from the floors below it and its own,
+and no two modules import each other, however indirectly (the module graph is read from every
+import statement, lazy ones in functions included)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# Bottom to top. Packages on one floor do not import each other.
+FLOORS = [
+    {"tandem_core"},
+    {"workers", "diffusion_plugin"},
+    {"gateway"},
+    {"tandem_tools"},
+]
+FLOOR = {pkg: i for i, floor in enumerate(FLOORS) for pkg in floor}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, here: str | None = None) -> set[str]:
+    """The tandem modules ``path`` imports (``from pkg import mod`` counts as ``pkg.mod`` when
+    ``pkg/mod`` is a module; otherwise as ``pkg``)."""
+    here = here or module_name(path)
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = here.split(".")[: len(here.split(".")) - node.level + (1 if is_pkg else 0)]
+                base = ".".join(parent + ([base] if base else []))
+            names = [f"{base}.{a.name}" if resolve(f"{base}.{a.name}") else base for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n.split(".")[0] in FLOOR}
+    return {resolve(n) or n for n in found}
+
+
+def resolve(name: str) -> str | None:
+    """The module file a dotted name refers to (the name itself), or None if it is not one."""
+    path = ROOT.joinpath(*name.split("."))
+    return name if path.with_suffix(".py").exists() or (path / "__init__.py").exists() else None
+
+
+def graph() -> dict[str, set[str]]:
+    files = [p for pkg in FLOOR for p in (ROOT / pkg).rglob("*.py")]
+    assert len(files) > 40, "the packages were not found"
+    return {module_name(p): imports_of(p) - {module_name(p)} for p in files}
+
+
+def wrong_arrows(g: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for mod, deps in sorted(g.items()):
+        pkg = mod.split(".")[0]
+        for dep in sorted(deps):
+            other = dep.split(".")[0]
+            if other != pkg and FLOOR[other] >= FLOOR[pkg]:
+                wrong.append(f"{mod} -> {dep} ({other} is not below {pkg})")
+    return wrong
+
+
+def cycles_of(g: dict[str, set[str]]) -> list[str]:
+    cycles, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for dep in sorted(g.get(node, ())):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join(path[path.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = "done"
+
+    for mod in sorted(g):
+        if mod not in state:
+            visit(mod, [mod])
+    return cycles
+
+
+def test_every_import_points_down_or_sideways_within_its_package():
+    wrong = wrong_arrows(graph())
+    assert not wrong, "imports that point up or across:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    cycles = cycles_of(graph())
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_gateway_holds_no_tool():
+    names = {p.stem for p in (ROOT / "gateway").glob("*.py")}
+    assert not names & {"bench", "bench_diffusion", "loadgen", "vllm_cli_shim", "cli"}, names
+
+
+@pytest.mark.parametrize("bad", ["from gateway.app import build_app", "import tandem_tools.bench",
+                                 "from diffusion_plugin import runner", "from workers import tiny_models"])
+def test_the_checks_catch_a_wrong_arrow_and_a_cycle(tmp_path, bad):
+    """The checks above can fail: a module of tandem_core or workers with a wrong import is
+    reported, and so is a cycle (parsed from a file outside the tree, placed in the graph)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(bad + "\n")
+    g = graph()
+    g["tandem_core._probe"] = imports_of(probe, "tandem_core._probe")
+    assert any(w.startswith("tandem_core._probe -> ") for w in wrong_arrows(g)), bad
+    g = graph()
+    g["workers.actor"] = g["workers.actor"] | {"workers._probe"}
+    g["workers._probe"] = {"workers.actor"}
+    assert any("workers._probe" in c for c in cycles_of(g))

@@ -1,0 +1,67 @@
+"""tandem's built-in models, built on demand: random weights, real tokenizers, offline.
+
+They generate nonsense. They exist so that the whole system (vLLM in a Ray actor, the diffusion
+batcher, the gateway, the tests, the benchmarks) runs on any machine, offline. Everything is built
+deterministically from a fixed seed. The builders, in one place: ``llama`` (``tiny-llama`` and the
+shared tokenizer) and ``diffusiongemma`` (``tiny-diffusiongemma``, and ``shape-diffusiongemma``:
+DiffusionGemma's real canvas and vocabulary on a tiny trunk). A model config names one as
+``source: builtin:<name>``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from workers.tiny_models.diffusiongemma import build_shape_diffusiongemma, build_tiny_diffusiongemma
+from workers.tiny_models.llama import build_tiny_llama
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DIR = Path(__file__).resolve().parent.parent.parent / "models"
+BUILD_VERSION = 2  # bump when the recipe changes, so stale builds are rebuilt (per model: VERSIONS)
+TINY_LLAMA = "tiny-llama"
+TINY_DIFFUSIONGEMMA = "tiny-diffusiongemma"
+# DiffusionGemma's real canvas (256) and vocabulary (262,144) on a tiny trunk: ~170 MB, built in
+# seconds; for benchmarks and tests/gpu (``diffusiongemma`` says why).
+SHAPE_DIFFUSIONGEMMA = "shape-diffusiongemma"
+BUILDERS = {TINY_LLAMA: build_tiny_llama, TINY_DIFFUSIONGEMMA: build_tiny_diffusiongemma,
+            SHAPE_DIFFUSIONGEMMA: build_shape_diffusiongemma}
+# A model's own recipe version, so that a new or changed model does not rebuild the others.
+VERSIONS = {TINY_LLAMA: BUILD_VERSION, TINY_DIFFUSIONGEMMA: BUILD_VERSION, SHAPE_DIFFUSIONGEMMA: 1}
+
+
+def _stamp(path: Path) -> Path:
+    return path / "tandem_build.json"
+
+
+def is_built(path: Path, name: str | None = None) -> bool:
+    stamp = _stamp(path)
+    version = VERSIONS.get(name or path.name, BUILD_VERSION)
+    return stamp.exists() and json.loads(stamp.read_text()).get("version") == version
+
+
+def build(name: str, root: Path = DEFAULT_DIR, force: bool = False) -> Path:
+    """Build one built-in model under ``root/name`` unless an up-to-date build is there."""
+    if name not in BUILDERS:
+        raise KeyError(f"unknown built-in model {name!r}; known: {sorted(BUILDERS)}")
+    path = root / name
+    if is_built(path, name) and not force:
+        return path
+    logger.info("building built-in model %s in %s", name, path)
+    tmp = root / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    BUILDERS[name](tmp)
+    _stamp(tmp).write_text(json.dumps({"name": name, "version": VERSIONS[name]}))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    logger.info("built %s", path)
+    return path
+
+
+def build_all(root: Path = DEFAULT_DIR, force: bool = False, only: list[str] | None = None) -> list[Path]:
+    """Build every built-in model (or only the named ones) that is missing or stale."""
+    return [build(name, root, force) for name in (only or BUILDERS)]
