@@ -4,13 +4,16 @@ Encoder passes (``ENCODE``, fast mode's batched prefills and commits): each row'
 to its own cache and each row attends with the very SDPA call and mask a lone sequence makes.
 
 Decoder passes in fast mode (``FAST``): ONE call per layer for the whole batch. The decoder sees
-only the canvas keys (an empty cache view), and each row's context K/V comes from a right-padded
-view whose length is a multiple of ``ATTN_BLOCK``. Attention runs blockwise with an online
-softmax: the canvas block first, then the context blocks. Padded SDPA is not batch-invariant
-(its result moves by ~1e-7 with the padded length, i.e. with the longest batch mate), but here a
-row's blocks are laid out by its own length only, and the blocks beyond it are fully masked,
-which adds exact zeros: a row's attention output does not depend on its batch mates.
-(On a GPU a varlen kernel reading a paged cache in place is the better answer.)
+only the canvas keys (an empty cache view); each row's context K/V is read in place from the
+layer's page pool (``kv_view``) through the row's block table, one ATTN_BLOCK-key block per
+kernel step (a gather of one page per row), with each row's valid positions. Attention runs
+blockwise with an online softmax: the canvas block first, then the context blocks. A row's
+blocks are laid out by its own positions only (its page p holds its positions
+[p*ATTN_BLOCK, (p+1)*ATTN_BLOCK)); beyond its last block a row reads the null page, fully
+masked: the running max stays, the correction is exp(0) = 1 and the masked weights are set to
+exactly 0, so those blocks add exact zeros. A row's attention output does not depend on its
+batch mates (padded SDPA is not batch-invariant: its result moves by ~1e-7 with the padded
+length, i.e. with the longest batch mate).
 
 Outside both (the exact mode's per-row passes) this is plain SDPA, as in generate().
 """
@@ -27,19 +30,27 @@ ENCODE: ContextVar[EncodeSpec | None] = ContextVar("tandem_encode", default=None
 FAST: ContextVar[FastSpec | None] = ContextVar("tandem_fast", default=None)
 ATTN_BLOCK = 256
 # exp() of anything below this is a float32 denormal, and a matmul over denormals runs ~60x
-# slower on CPU; exponents are clamped here (fast mode only). A clamped masked key adds at most
-# exp(-87) ~ 1.6e-38 to a denominator >= 1 (absorbed exactly) and 0 x 0 (zero padding) to the sum.
+# slower on CPU; exponents are clamped here (fast mode only). A masked key's weight is then set
+# to exactly 0 (its page may hold another position's values).
 MIN_EXPONENT = -87.0
 # Attention kernel calls made by decoder forwards (tests count them per step).
 KERNEL_CALLS = [0]
 
 
-class FastSpec:
-    """Per layer: the rows' context K/V right-padded to a multiple of ATTN_BLOCK (zeros beyond
-    each row), and each row's valid context length (B,)."""
+class PagedKV:
+    """One layer's context for a decoder pass: the pool's K/V pages (num_pages, kv_heads,
+    ATTN_BLOCK, d), each row's block table (B, blocks; 0 = the null page) and, per row, the
+    position of its first block and its valid positions [lo, hi) (B,)."""
 
-    def __init__(self, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], valid: dict[int, torch.Tensor]):
-        self.kv, self.valid = kv, valid
+    def __init__(self, k_pages, v_pages, table, base, lo, hi):
+        self.k_pages, self.v_pages, self.table, self.base, self.lo, self.hi = k_pages, v_pages, table, base, lo, hi
+
+
+class FastSpec:
+    """Per layer index: its ``PagedKV``."""
+
+    def __init__(self, layers: dict[int, PagedKV]):
+        self.layers = layers
 
 
 class EncodeSpec:
@@ -86,16 +97,16 @@ def tandem_attention(module, query, key, value, attention_mask, **kwargs):
     fast = FAST.get()
     if fast is not None:
         KERNEL_CALLS[0] += 1
-        k, v = fast.kv[module.layer_idx]
-        return blocked_attention(query, key, value, k, v, fast.valid[module.layer_idx], module.scaling), None
+        return blocked_attention(query, key, value, fast.layers[module.layer_idx], module.scaling), None
     if not module.is_causal:  # a decoder pass (exact mode: one row)
         KERNEL_CALLS[0] += 1
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def blocked_attention(query, canvas_k, canvas_v, ctx_k, ctx_v, valid, scaling):
-    """query (B, H, C, d) over [canvas | each row's context]; returns (B, C, H, d) as SDPA's
-    wrapper does. Online softmax over the canvas block, then ATTN_BLOCK-sized context blocks."""
+def blocked_attention(query, canvas_k, canvas_v, ctx: PagedKV, scaling):
+    """query (B, H, C, d) over [canvas | each row's context, read in place from the pool];
+    returns (B, C, H, d) as SDPA's wrapper does. Online softmax over the canvas block, then
+    ATTN_BLOCK-sized context blocks (one page per row per step)."""
     B, H, C, d = query.shape
     kvh = canvas_k.shape[1]
     q = query.reshape(B, kvh, (H // kvh) * C, d)  # grouped-query heads share their K/V head
@@ -106,15 +117,20 @@ def blocked_attention(query, canvas_k, canvas_v, ctx_k, ctx_v, valid, scaling):
     p = torch.exp((scores - m[..., None]).clamp_(min=MIN_EXPONENT))
     denom = p.sum(-1)
     acc = torch.matmul(p, canvas_v)
-    for j in range(0, ctx_k.shape[2], ATTN_BLOCK):
-        s = torch.matmul(q, ctx_k[:, :, j:j + ATTN_BLOCK].transpose(-1, -2))
-        pos = torch.arange(j, j + ATTN_BLOCK, device=s.device)
-        s.masked_fill_((pos[None, :] >= valid[:, None])[:, None, None, :], float("-inf"))
+    offsets = torch.arange(ATTN_BLOCK, device=q.device)
+    for j in range(ctx.table.shape[1]):
+        pages = ctx.table[:, j]
+        k = ctx.k_pages.index_select(0, pages)  # (B, kvh, ATTN_BLOCK, d)
+        v = ctx.v_pages.index_select(0, pages)
+        s = torch.matmul(q, k.transpose(-1, -2))
+        pos = (ctx.base + j * ATTN_BLOCK)[:, None] + offsets[None, :]
+        masked = ((pos < ctx.lo[:, None]) | (pos >= ctx.hi[:, None]))[:, None, None, :]
+        s.masked_fill_(masked, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
-        corr = torch.exp(m - m_new)  # exactly 1 for a row whose block is all padding
-        p = torch.exp((s - m_new[..., None]).clamp_(min=MIN_EXPONENT))
+        corr = torch.exp(m - m_new)  # exactly 1 for a row whose block is all masked
+        p = torch.exp((s - m_new[..., None]).clamp_(min=MIN_EXPONENT)).masked_fill_(masked, 0.0)
         denom = denom * corr + p.sum(-1)
-        acc = acc * corr[..., None] + torch.matmul(p, ctx_v[:, :, j:j + ATTN_BLOCK])
+        acc = acc * corr[..., None] + torch.matmul(p, v)
         m = m_new
     out = (acc / denom[..., None]).reshape(B, H, C, d)
     return out.transpose(1, 2).contiguous()

@@ -1,16 +1,156 @@
-"""What the fast mode's batched decoder forward reads of the rows' KV caches (never written).
+"""The fast mode's KV store: one page pool per layer, written in place, read in place.
 
-The decoder gets an empty cache view (so its own concat yields the canvas keys only), and
-``attention.blocked_attention`` reads the rows' context from a right-padded K/V whose length is
-a multiple of ``ATTN_BLOCK`` (batch invariance, one call per layer). (The exact mode needs no
-view: each row's decoder pass reads its own cache, as generate() does.)
+Each layer has a pool of pages (``num_pages, kv_heads, ATTN_BLOCK, head_dim``) for keys and one
+for values; page 0 is the null page (zeros, never handed out). A sequence's cache
+(``paged_cache``) is a transformers ``DynamicCache`` whose layers write the tokens the encoder
+commits into the sequence's own pages (a page covers positions ``[p*ATTN_BLOCK, (p+1)*ATTN_BLOCK)``
+of that sequence) and return what a ``DynamicLayer`` / ``DynamicSlidingWindowLayer`` returns
+(history + new tokens, the same values), so the encoder's masks and attention are unchanged. A
+sliding layer gives back the pages wholly before its window. Retiring a sequence gives its pages
+back; a page is zeroed when handed out, so every page a kernel reads holds finite values.
+
+The decoder reads the pool in place (``attention.blocked_attention``), one key block per kernel
+step through each row's block table, with each row's valid positions: nothing is copied when a
+row joins or leaves; per batch only the block tables (a few ints per row) are rebuilt.
+
+The pool is allocated once, at its full size, with ``torch.empty``: on the host the kernel
+commits its memory page by page as it is written (RSS grows with the KV in use, not with the
+pool's size); on a device it is reserved at start, as vLLM reserves its KV cache. The exact
+mode needs none of this: each row keeps HF's own ``DynamicCache``, as ``generate()`` does.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from diffusion_plugin.attention import ATTN_BLOCK, FastSpec
+from diffusion_plugin.attention import ATTN_BLOCK, FastSpec, PagedKV
+
+
+class KVPool:
+    """Per layer: K and V pages and a free list. ``layers``: per layer (kv_heads, head_dim)."""
+
+    def __init__(self, layers: list[tuple[int, int]], num_pages: int, dtype: torch.dtype, device):
+        if num_pages < 2:
+            raise ValueError("the KV pool needs at least 2 pages (page 0 is the null page)")
+        self.num_pages = num_pages
+        self.k = [torch.empty((num_pages, h, ATTN_BLOCK, d), dtype=dtype, device=device) for h, d in layers]
+        self.v = [torch.empty_like(k) for k in self.k]
+        for t in (*self.k, *self.v):
+            t[0].zero_()
+        self.free = [list(range(num_pages - 1, 0, -1)) for _ in layers]
+
+    def take(self, layer: int) -> int:
+        if not self.free[layer]:
+            raise MemoryError(f"KV pool of layer {layer} exhausted ({self.num_pages} pages): admission should have "
+                              "prevented this; this is a bug")
+        page = self.free[layer].pop()
+        self.k[layer][page].zero_()
+        self.v[layer][page].zero_()
+        return page
+
+    def give(self, layer: int, pages: list[int]) -> None:
+        self.free[layer].extend(reversed(pages))
+
+    def pages_in_use(self, layer: int) -> int:
+        return self.num_pages - 1 - len(self.free[layer])
+
+
+class _Paged:
+    """What both paged layers share: this sequence's pages of one layer's pool."""
+
+    def _bind(self, pool: KVPool, layer: int, window: int | None) -> None:
+        self.pool, self.layer, self.window = pool, layer, window
+        self.pages: list[int] = []  # physical pages of logical pages first_page, first_page + 1, ...
+        self.first_page = 0
+        self.length = 0  # tokens written
+        self.is_initialized = True
+
+    def visible_from(self, length: int) -> int:
+        """The first position this layer's cache holds once ``length`` tokens are written."""
+        return 0 if self.window is None else max(0, length - (self.window - 1))
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys/values (1, kv_heads, n, d) at positions [length, length + n)."""
+        pos, end = self.length, self.length + keys.shape[2]
+        while pos < end:
+            logical, offset = divmod(pos, ATTN_BLOCK)
+            while self.first_page + len(self.pages) <= logical:
+                self.pages.append(self.pool.take(self.layer))
+            page = self.pages[logical - self.first_page]
+            n = min(end - pos, ATTN_BLOCK - offset)
+            src = slice(pos - self.length, pos - self.length + n)
+            self.pool.k[self.layer][page, :, offset:offset + n] = keys[0, :, src]
+            self.pool.v[self.layer][page, :, offset:offset + n] = values[0, :, src]
+            pos += n
+
+    def _read(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This sequence's positions [start, end) as (1, kv_heads, end - start, d) (a copy: the
+        encoder's SDPA over its own history, as ``DynamicLayer.update``'s ``cat`` copies it)."""
+        lo, hi = start // ATTN_BLOCK, -(-end // ATTN_BLOCK)
+        ids = torch.tensor(self.pages[lo - self.first_page:hi - self.first_page], device=self.pool.k[self.layer].device)
+        out = []
+        for pool in (self.pool.k[self.layer], self.pool.v[self.layer]):
+            blocks = pool.index_select(0, ids)  # (pages, h, ATTN_BLOCK, d)
+            flat = blocks.transpose(0, 1).reshape(1, blocks.shape[1], -1, blocks.shape[3])
+            out.append(flat[:, :, start - lo * ATTN_BLOCK:end - lo * ATTN_BLOCK])
+        return out[0], out[1]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        start = self.length
+        history_from = self.visible_from(start)
+        history = self._read(history_from, start) if history_from < start else None
+        self._write(key_states, value_states)
+        self.length += key_states.shape[2]
+        self._after_write()
+        if history is None:
+            return key_states.contiguous(), value_states.contiguous()
+        return torch.cat([history[0], key_states], dim=-2), torch.cat([history[1], value_states], dim=-2)
+
+    def _after_write(self) -> None:
+        if self.window is None:
+            return
+        self.cumulative_length = self.length  # what DynamicSlidingWindowLayer's mask sizes read
+        drop = self.visible_from(self.length) // ATTN_BLOCK - self.first_page
+        if drop > 0:
+            self.pool.give(self.layer, self.pages[:drop])
+            self.pages, self.first_page = self.pages[drop:], self.first_page + drop
+
+    def release(self) -> None:
+        self.pool.give(self.layer, self.pages)
+        self.pages = []
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class PagedLayer(_Paged, DynamicLayer):
+    pass
+
+
+class PagedSlidingLayer(_Paged, DynamicSlidingWindowLayer):
+    pass
+
+
+def paged_cache(config, pool: KVPool) -> DynamicCache:
+    """A sequence's cache: HF's ``DynamicCache`` for ``config`` with its layers paged in ``pool``."""
+    cache = DynamicCache(config=config)
+    layers = []
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            paged = PagedSlidingLayer(sliding_window=layer.sliding_window)
+            paged._bind(pool, i, layer.sliding_window)
+        else:
+            paged = PagedLayer()
+            paged._bind(pool, i, None)
+        layers.append(paged)
+    cache.layers = layers
+    return cache
+
+
+def release(cache) -> None:
+    for layer in cache.layers:
+        layer.release()
 
 
 class LayerView:
@@ -19,7 +159,8 @@ class LayerView:
 
 
 class CacheView:
-    """What the decoder reads as ``past_key_values``: ``layers[i].keys/values``."""
+    """What the decoder reads as ``past_key_values``: ``layers[i].keys/values``, empty (the
+    decoder's own concat then yields the canvas keys only; the context comes from the pool)."""
 
     is_compileable = False
 
@@ -27,17 +168,9 @@ class CacheView:
         self.layers = layers
 
 
-def _pad(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
-    """Right-padded with zeros (finite: a masked key's weight is exactly 0, and 0 * 0 adds 0)."""
-    out = tensors[0].new_zeros((len(tensors), tensors[0].shape[1], length, tensors[0].shape[3]))
-    for b, t in enumerate(tensors):
-        out[b, :, :t.shape[2]] = t[0]
-    return out
-
-
 class FastViews:
-    """Right-padded, block-aligned context K/V keyed by (rows, cache versions); rebuilt when the
-    batch changes (in block mode: at block boundaries, when every cache has changed anyway)."""
+    """The decoder's per-batch metadata (block tables, valid ranges), rebuilt when the batch or a
+    row's cache changes (in block mode: at block boundaries). Never a copy of K/V."""
 
     def __init__(self):
         self._key: tuple | None = None
@@ -54,14 +187,17 @@ class FastViews:
 
     @staticmethod
     def _build(caches: list):
-        kv, valid, empty = {}, {}, []
-        for i in range(len(caches[0].layers)):
-            ks = [c.layers[i].keys for c in caches]
-            vs = [c.layers[i].values for c in caches]
-            longest = max(k.shape[2] for k in ks)
-            length = -(-longest // ATTN_BLOCK) * ATTN_BLOCK
-            kv[i] = (_pad(ks, length), _pad(vs, length))
-            valid[i] = torch.tensor([k.shape[2] for k in ks], device=ks[0].device)
-            shape = (len(caches), ks[0].shape[1], 0, ks[0].shape[3])
-            empty.append(LayerView(ks[0].new_zeros(shape), vs[0].new_zeros(shape)))
-        return CacheView(empty), FastSpec(kv, valid)
+        layers, empty = {}, []
+        for i, first in enumerate(caches[0].layers):
+            rows = [c.layers[i] for c in caches]
+            device = first.pool.k[i].device
+            width = max(len(r.pages) for r in rows)
+            table = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in rows], dtype=torch.long,
+                                 device=device)
+            ranges = torch.tensor([[r.first_page * ATTN_BLOCK, r.visible_from(r.length), r.length] for r in rows],
+                                  dtype=torch.long, device=device)
+            layers[i] = PagedKV(first.pool.k[i], first.pool.v[i], table, ranges[:, 0], ranges[:, 1], ranges[:, 2])
+            h, d = first.pool.k[i].shape[1], first.pool.k[i].shape[3]
+            shape = (len(caches), h, 0, d)
+            empty.append(LayerView(first.pool.k[i].new_zeros(shape), first.pool.v[i].new_zeros(shape)))
+        return CacheView(empty), FastSpec(layers)

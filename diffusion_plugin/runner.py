@@ -2,7 +2,10 @@
 
 Per sequence: its own KV cache (prompt + committed blocks), canvas, self-conditioning soft
 embedding (canvas x hidden: nothing vocab-sized is held between steps), stability history,
-random generator (exact mode), freed when it leaves. Nothing is preallocated per ``max_batch``.
+random generator (exact mode), freed when it leaves. Exact mode: HF's ``DynamicCache`` per
+sequence. Fast mode: the sequence's pages in one pool per layer (``kv_view``), sized once from
+the memory budget, written by the encoder and read in place by the decoder; a sequence joining
+or leaving copies nobody's K/V.
 Per step:
 1. the encoder passes (prefills and commits, each row with its own mask into its cache): one
    batched pass in fast mode, row by row in exact mode;
@@ -26,11 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from diffusion_plugin.attention import FAST
+from diffusion_plugin import memory
+from diffusion_plugin.attention import ATTN_BLOCK, FAST
 from diffusion_plugin.batch import RowOutput, StepBatch, StepOutput
 from diffusion_plugin.families import diffusiongemma_moe as moe
 from diffusion_plugin.families import diffusiongemma_vocab as vocab
-from diffusion_plugin.kv_view import FastViews
+from diffusion_plugin.kv_view import FastViews, KVPool, release
 from diffusion_plugin.request import Sequence
 
 SAMPLERS = ("exact", "fast")
@@ -54,12 +58,17 @@ class _Row:
 
 
 class Runner:
-    def __init__(self, adapter, sampler: str = "exact", chunk_rows: int = 1):
+    def __init__(self, adapter, sampler: str = "exact", chunk_rows: int = 1, kv_budget_bytes: int | None = None):
+        """``kv_budget_bytes`` (fast mode): the KV pool's size, normally the engine's memory budget
+        (every admitted sequence's reservation covers its KV); default: the budget the engine
+        derives from the memory free now."""
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}")
         self.adapter = adapter
         self.sampler = sampler
         self.chunk_rows = max(1, int(chunk_rows)) if sampler == "fast" else 1  # exact: HF's (1, C, V)
+        self.kv_budget_bytes = kv_budget_bytes
+        self.pool: KVPool | None = None  # fast mode: made at the first admission
         self.rows: dict[str, _Row] = {}
         self._views = FastViews()  # fast mode only
         self._scratch = vocab.Scratch()  # fast mode only: two (chunk_rows, C, V) buffers, reused
@@ -67,16 +76,32 @@ class Runner:
     def admit(self, seq: Sequence) -> None:
         gen = torch.Generator(device=self.adapter.device).manual_seed(seq.params.seed)
         pending = torch.tensor([seq.prompt_ids], dtype=torch.long, device=self.adapter.device)
-        self.rows[seq.seq_id] = _Row(seq=seq, cache=self.adapter.new_cache(), generator=gen, pending=pending,
-                                     images=seq.images)
+        cache = self.adapter.new_cache(self._kv_pool() if self.sampler == "fast" else None)
+        self.rows[seq.seq_id] = _Row(seq=seq, cache=cache, generator=gen, pending=pending, images=seq.images)
 
     def free(self, seq_id: str) -> None:
-        self.rows.pop(seq_id, None)
+        row = self.rows.pop(seq_id, None)
+        if row is not None and self.pool is not None:
+            release(row.cache)  # its pages back to the pool
 
     def reset(self) -> None:
-        """After a failed batch: drop every sequence's state."""
+        """After a failed batch: drop every sequence's state (and the pool: a failure may have
+        left a row's pages half written)."""
         self.rows.clear()
         self._views.reset()
+        self.pool = None
+
+    def _kv_pool(self) -> KVPool:
+        if self.pool is None:
+            layout = self.adapter.kv_layout()
+            itemsize = torch.empty((), dtype=self.adapter.model.dtype).element_size()
+            page_bytes = sum(2 * h * d * ATTN_BLOCK * itemsize for h, d in layout)  # one page in every layer
+            budget = self.kv_budget_bytes
+            if budget is None:
+                transient = memory.step_transient_bytes(self.adapter.memory_shape(), self.sampler, self.chunk_rows)
+                budget = memory.default_budget_bytes(_free_bytes(self.adapter.device), transient)
+            self.pool = KVPool(layout, max(2, budget // page_bytes + 1), self.adapter.model.dtype, self.adapter.device)
+        return self.pool
 
     def held_bytes(self) -> int:
         """Bytes held by sequences between steps beyond their KV caches (for measurements)."""
@@ -106,7 +131,7 @@ class Runner:
             groups = [[r] for r in encoding] if self.sampler == "exact" else _by_length(encoding)
             for group in groups:
                 images = [r.images for r in group]
-                with _row_tokens(group[0].pending.shape[1]):
+                with _experts(self.sampler):
                     self.adapter.encode([r.cache for r in group], [r.pending for r in group],
                                         [r.cur_len for r in group],
                                         images if any(i is not None for i in images) else None)
@@ -147,7 +172,7 @@ class Runner:
         view, spec = self._views.get([r.seq.seq_id for r in rows], [r.version for r in rows], [r.cache for r in rows])
         token = FAST.set(spec)
         try:
-            with _row_tokens(C):
+            with _experts(self.sampler):
                 return self.adapter.decode_hidden(canvas, view, positions, soft)
         finally:
             FAST.reset(token)
@@ -243,13 +268,20 @@ class Runner:
 
 
 @contextmanager
-def _row_tokens(n: int):
-    """Tokens per row of a batched pass, for the row-invariant experts (``diffusiongemma_moe``)."""
-    token = moe.ROW_TOKENS.set(n)
+def _experts(sampler: str):
+    """Fast mode: the batch-invariant tiled experts (``diffusiongemma_moe``), a lone row included;
+    exact mode: HF's own experts."""
+    token = moe.FAST_EXPERTS.set(sampler == "fast")
     try:
         yield
     finally:
-        moe.ROW_TOKENS.reset(token)
+        moe.FAST_EXPERTS.reset(token)
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return memory.host_available_bytes()
 
 
 def _by_length(rows: list[_Row]) -> list[list[_Row]]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffusion_plugin import kv_view
 from diffusion_plugin.attention import ATTN_NAME, ENCODE, EncodeCacheView, EncodeSpec, register
 from diffusion_plugin.families import diffusiongemma_moe as moe
 from diffusion_plugin.memory import MemoryShape
@@ -71,7 +72,7 @@ class DiffusionGemmaAdapter:
         self.model = model.to(device).eval()
         self.model.set_attn_implementation(ATTN_NAME)
         self.model.model.decoder.self_conditioning.register_forward_pre_hook(_soft_embeddings)
-        moe.install(self.model)  # row-invariant experts in batched passes (fast mode)
+        moe.install(self.model)  # batch-invariant tiled experts in fast mode (HF's in exact mode)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         cfg = self.model.config
         self.device = torch.device(device)
@@ -110,10 +111,21 @@ class DiffusionGemmaAdapter:
             if getattr(gen, "confidence_threshold", None) is not None else 0.005,
         }
 
-    def new_cache(self):
+    def new_cache(self, pool=None):
+        """A sequence's KV cache: HF's ``DynamicCache`` (exact mode), or the same with its layers
+        paged in ``pool`` (fast mode, ``kv_view``)."""
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.model.config.get_text_config(decoder=True))
+        config = self.model.config.get_text_config(decoder=True)
+        return DynamicCache(config=config) if pool is None else kv_view.paged_cache(config, pool)
+
+    def kv_layout(self) -> list[tuple[int, int]]:
+        """Per layer: (kv heads, head dim) of what its cache holds (the fast mode's page pools)."""
+        out = []
+        for layer in self.model.model.decoder.layers:
+            attn = layer.self_attn
+            out.append((attn.k_proj.out_features // attn.head_dim, attn.head_dim))
+        return out
 
     # -- images -----------------------------------------------------------------------
     @torch.no_grad()

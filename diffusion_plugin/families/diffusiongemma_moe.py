@@ -1,14 +1,28 @@
-"""Row-invariant mixture-of-experts for batched passes (the fast mode's batch invariance).
+"""Batch-invariant mixture-of-experts for the fast mode (a grouped GEMM with fixed tiles).
 
-HF's experts (``grouped_mm`` here) run one GEMM per expert over every token routed to it, from
-all rows at once. A GEMM's result for a token depends on how many rows the GEMM has (the BLAS
-picks its kernel and blocking by M; seen here: 5 tokens alone vs among 37..513 differ by
-~1e-7), so a row's output would depend on what its batch mates routed to the same expert, and
-on the shape model rows drifted apart within a step. So, in a batched pass, the experts run once
-per row, HF's own call on that row's tokens: bit for bit what the row gets alone. It is the one
-per-row loop left in a fast-mode step (B calls per MoE layer, each over C tokens); a
-batch-invariant grouped GEMM (fixed tiling whatever M) would remove it. Set ``ROW_TOKENS``
-(tokens per row of the flattened batch) around a batched pass; without it this is HF's forward.
+HF's experts run one GEMM per expert over every token routed to it, from all rows at once. A
+GEMM's result for a token depends on how many rows (M) the GEMM has: the BLAS picks its kernel
+and blocking by M (seen here: 5 tokens alone vs among 8..513 differ by ~1e-7 at hidden 128,
+1024 and 2816), so a row's output would depend on what its batch mates routed to the same
+expert. Within one GEMM of a fixed shape, a token's result does not depend on the other rows nor
+on its position (measured: ``tests/unit/test_diffusion_fast.py``).
+
+So in fast mode (``FAST_EXPERTS`` set around the fast mode's passes, a lone row included) the
+experts run as a grouped GEMM whose every call has the same shape whatever the batch:
+1. the flattened batch's (token, slot) assignments are sorted by expert (a stable sort);
+2. each expert's group is padded to a multiple of ``TILE`` rows in one (tiles x TILE, H) buffer;
+3. per expert hit (the loop HF makes): one ``bmm`` of its tiles by its ``gate_up`` weight, the
+   activation, one ``bmm`` by its ``down`` weight: every GEMM in them is (TILE, H) x (H, 2I) or
+   (TILE, I) x (I, H), whatever the batch (a ``bmm`` over n tiles gave the same bits per tile
+   for every n measured here; ``tests/gpu`` checks the same on a GPU);
+4. each output times its routing weight, gathered back to (token, slot) and summed per token
+   over its experts in ascending expert order, the order of HF's ``index_add_`` from zeros.
+Only each expert's own weights are read (broadcast over its tiles: a view, never copied;
+measured: no allocation). A single ``bmm`` over all tiles would need one weight copy per tile,
+24 MB each at the released model's 2816 x 704 experts. Memory: the padded buffer (at most
+``N*K + E*(TILE-1)`` rows of H) and its outputs, a few MB per row at the real shape.
+The result equals HF's up to the GEMMs' blocking (~1e-7). Exact mode leaves it unset: HF's own
+forward, bit-exact with ``generate()``.
 """
 
 from __future__ import annotations
@@ -17,7 +31,10 @@ from contextvars import ContextVar
 
 import torch
 
-ROW_TOKENS: ContextVar[int | None] = ContextVar("tandem_row_tokens", default=None)
+FAST_EXPERTS: ContextVar[bool] = ContextVar("tandem_fast_experts", default=False)
+TILE = 32  # rows of every expert GEMM
+# Expert GEMM calls made (tests count them per step: they must not grow with the rows).
+GEMM_CALLS = [0]
 
 
 def install(model) -> None:
@@ -29,8 +46,50 @@ def install(model) -> None:
 
 
 def _forward(module, hf_forward, hidden_states, top_k_index, top_k_weights):
-    n = ROW_TOKENS.get()
-    if n is None or hidden_states.shape[0] <= n:
+    if not FAST_EXPERTS.get():
         return hf_forward(hidden_states, top_k_index, top_k_weights)
-    return torch.cat([hf_forward(hidden_states[i:i + n], top_k_index[i:i + n], top_k_weights[i:i + n])
-                      for i in range(0, hidden_states.shape[0], n)])
+    return tiled_experts(module.gate_up_proj, module.down_proj, module.act_fn, hidden_states, top_k_index,
+                         top_k_weights)
+
+
+def tiled_experts(gate_up: torch.Tensor, down: torch.Tensor, act, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor, tile: int = TILE) -> torch.Tensor:
+    """HF's experts math over (N, H) tokens, each GEMM over exactly ``tile`` rows.
+
+    ``gate_up`` (E, 2I, H), ``down`` (E, H, I), ``top_k_index``/``top_k_weights`` (N, K)."""
+    N, H = hidden.shape
+    K = top_k_index.shape[1]
+    E = gate_up.shape[0]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+    counts = torch.bincount(flat, minlength=E)
+    tiles = (counts + tile - 1) // tile
+    padded_start = (torch.cumsum(tiles, 0) - tiles) * tile  # each expert's first row in the buffer
+    start = torch.cumsum(counts, 0) - counts
+    sorted_expert = flat[order]
+    rank = torch.arange(order.numel(), device=flat.device) - start[sorted_expert]
+    row = padded_start[sorted_expert] + rank  # buffer row of each sorted assignment
+    meta = torch.cat([tiles, padded_start]).tolist()  # one host transfer per layer (HF makes one too)
+    n_tiles, first = meta[:E], meta[E:]
+    total = sum(n_tiles) * tile
+    x = hidden.new_zeros((total, H))
+    x[row] = hidden[order // K]
+    out = hidden.new_empty((total, H))
+    hit = [e for e in range(E) if n_tiles[e]]
+    for e in hit:
+        n, s = n_tiles[e], first[e]
+        # (n, tile, H) x (H, 2I) as n fixed-shape GEMMs: the weight is broadcast (a view, no copy).
+        xs = x[s:s + n * tile].view(n, tile, H)
+        gate, up = torch.bmm(xs, gate_up[e].t().expand(n, -1, -1)).chunk(2, dim=-1)
+        out[s:s + n * tile] = torch.bmm(act(gate) * up, down[e].t().expand(n, -1, -1)).view(n * tile, H)
+        GEMM_CALLS[0] += 2
+    del x
+    # Back to (token, slot), weighted, then summed per token in ascending expert order.
+    weighted = torch.empty((N * K, H), dtype=hidden.dtype, device=hidden.device)
+    weighted[order] = out[row] * top_k_weights.reshape(-1)[order, None].to(out.dtype)
+    weighted = weighted.view(N, K, H)
+    by_expert = torch.argsort(top_k_index, dim=1, stable=True)
+    final = torch.zeros_like(hidden)
+    for k in range(K):
+        final += torch.gather(weighted, 1, by_expert[:, k, None, None].expand(N, 1, H))[:, 0]
+    return final
