@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway import views
 from gateway.generate import generate, key_name_of, request_id_of, stored_response
 from gateway.metrics import GENERATION_ROUTES, now
 from gateway.metrics import ROUTES as METRIC_ROUTES
@@ -250,12 +251,12 @@ def build_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [service.model_card(name) for name in service.router.pools]}
+        return {"object": "list", "data": [views.model_card(service.router, name) for name in service.router.pools]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict:
         service.router.pool(model_id)  # 404 in the envelope if unknown
-        return service.model_card(model_id)
+        return views.model_card(service.router, model_id)
 
     if service.config.metrics.port is None:
         @app.get("/metrics")
@@ -265,7 +266,7 @@ def build_app(service: Service) -> FastAPI:
     @app.get("/admin/replicas")
     async def replicas() -> dict:
         """Each replica's state and its engine's own counters (running requests...)."""
-        return {"replicas": await service.replica_stats()}
+        return {"replicas": await views.replica_stats(service.router)}
 
     @app.get("/health")
     async def health() -> dict:
@@ -273,7 +274,7 @@ def build_app(service: Service) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Response:
-        status = service.readiness()
+        status = views.readiness(service.router)
         return JSONResponse(status, status_code=200 if status["ready"] and not service.draining else 503)
 
     return app

@@ -1,0 +1,255 @@
+"""The replica supervisor: brings every replica up, checks its health and progress, takes a
+failed one out of rotation (failing its requests), restarts it, and feeds the engines' stats to
+the metrics. How replicas come to exist is injected (``Deployment``): Ray actors in production
+(``workers.deployment.RayDeployment``), in-process engines in unit tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from functools import partial
+from typing import Protocol
+
+from gateway.metrics import Metrics
+from gateway.replicas import Replica, ReplicaState
+from gateway.router import Router
+from tandem_core.config import ModelConfig, TandemConfig
+from tandem_core.errors import ErrorKind, TandemError
+from tandem_core.protocol import ReplicaHandle
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 15.0
+PLACEMENT_CHECK_S = 5.0  # a replica not started by then: ask whether it can be placed at all
+STATS_EVERY_S = 2.0
+RESTART_BACKOFF_S = (1.0, 30.0)
+
+
+class Deployment(Protocol):
+    def create_replicas(self, model: ModelConfig) -> list[tuple[str, ReplicaHandle]]:
+        """Create (not start) the replicas of one model, (replica id, handle) each; called once
+        per model at start-up."""
+
+    def placement_problem(self, model: ModelConfig) -> str | None:
+        """Why a replica of ``model`` cannot be placed now (no node offers its resources), or None."""
+
+    def close(self) -> None:
+        """Release everything the deployment holds (actors, the Ray connection)."""
+
+
+class Supervisor:
+    def __init__(self, config: TandemConfig, deployment: Deployment, router: Router, metrics: Metrics):
+        self.config = config
+        self.deployment = deployment
+        self.router = router
+        self.metrics = metrics
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    def start(self) -> None:
+        """Create every replica and start them in the background (the router serves each one
+        once it is healthy); then the health and stats loops."""
+        for model in self.config.models:
+            pool = self.router.pools[model.name]
+            pool.replicas = [Replica(id=rid, model=model.name, handle=handle)
+                             for rid, handle in self.deployment.create_replicas(model)]
+            for replica in pool.replicas:
+                replica.handle.on_broken = partial(self._on_broken, replica)
+                self._spawn(self._start_replica(replica))
+        self._spawn(self._health_loop())
+        self._spawn(self._stats_loop())
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(self._forget)
+        return task
+
+    def _forget(self, task: asyncio.Task) -> None:
+        if not self._stopping and task in self._tasks:  # while stopping, stop() awaits the list
+            self._tasks.remove(task)
+
+    # -- bringing replicas up --------------------------------------------------------------
+
+    async def _bring_up(self, replica: Replica, op) -> None:
+        """Await ``op`` (start or restart); meanwhile say in the log and in /ready what it waits
+        for, and whether it can be placed at all. Raises what ``op`` raises."""
+        model = self.config.model(replica.model)
+        t0 = time.monotonic()
+        waiting_state = replica.state
+        task = asyncio.ensure_future(op)
+        timeout = PLACEMENT_CHECK_S
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=timeout)
+                if done:
+                    break
+                timeout = PROGRESS_EVERY_S
+                problem = await self._placement_problem(model)
+                if problem and replica.state is not ReplicaState.PENDING:
+                    logger.warning("replica %s: cannot be placed: %s", replica.id, problem)
+                    replica.state, replica.last_error = ReplicaState.PENDING, problem
+                elif not problem and replica.state is ReplicaState.PENDING:
+                    replica.state, replica.last_error = waiting_state, None
+                logger.info("replica %s: still %s (%.0f s)", replica.id,
+                            "waiting for placement" if problem else "loading", time.monotonic() - t0)
+        finally:
+            task.cancel()  # no-op when done; stops a restart loop when the service stops
+        replica.info = task.result()
+        replica.state, replica.last_error = ReplicaState.HEALTHY, None
+        replica.incarnation, replica.consecutive_failures = None, 0
+        replica.progress, replica.progress_since = -1, time.monotonic()
+        self.router.pools[replica.model].wake()
+        logger.info("replica %s: ready in %.1f s", replica.id, time.monotonic() - t0)
+        if self.config.gateway.avoid_engine_cores:
+            from workers.cpu_affinity import keep_off_vllm_workers
+
+            keep_off_vllm_workers()
+
+    async def _placement_problem(self, model: ModelConfig | None) -> str | None:
+        if model is None:
+            return None
+        try:  # off the event loop: asking the cluster (Ray's GCS) blocks
+            return await asyncio.to_thread(self.deployment.placement_problem, model)
+        except Exception as e:  # noqa: BLE001 - a diagnosis must not break start-up
+            logger.debug("placement check failed: %s", e)
+            return None
+
+    async def _start_replica(self, replica: Replica) -> None:
+        logger.info("replica %s: loading %s", replica.id, replica.model)
+        try:
+            await self._bring_up(replica, replica.handle.start())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported in /ready and the log
+            replica.state = ReplicaState.FAILED
+            replica.last_error = f"{type(e).__name__}: {e}"
+            logger.error("replica %s: failed to start: %s", replica.id, replica.last_error)
+            return
+        if self.router.ready():
+            logger.info("all models ready: %s", ", ".join(self.router.pools))
+
+    # -- failure: out of rotation, fail its requests, restart ---------------------------------
+
+    def _on_broken(self, replica: Replica, err: TandemError) -> None:
+        """The replica's channel broke (its actor died, its node left): restart it now."""
+        if not self._stopping:
+            self._recover(replica, "its process died" if err.kind is ErrorKind.ENGINE_DEAD else str(err), kill=False)
+
+    def _recover(self, replica: Replica, reason: str, kill: bool) -> None:
+        """Take a failed replica out of rotation, end every request on it with an error, and
+        restart it in the background (it rejoins when started). ``kill``: it is stuck, not dead."""
+        if replica.state not in (ReplicaState.HEALTHY, ReplicaState.UNHEALTHY) or self._stopping:
+            return  # already being restarted, or never started
+        logger.warning("replica %s: out of rotation, restarting: %s", replica.id, reason)
+        replica.state, replica.last_error = ReplicaState.RESTARTING, reason
+        replica.restarts += 1
+        self.metrics.restarts.labels(self.metrics.model_label(replica.model)).inc()
+        replica.handle.fail_in_flight(TandemError(
+            ErrorKind.ENGINE_DEAD, f"the replica serving this request failed ({reason}); it is being restarted"))
+        pool = self.router.pools[replica.model]
+        pool.fail_waiters_if_no_replica()
+        self._spawn(self._restart(replica, kill))
+
+    async def _restart(self, replica: Replica, kill: bool) -> None:
+        backoff = RESTART_BACKOFF_S[0]
+        while not self._stopping:
+            try:
+                await self._bring_up(replica, replica.handle.restart(kill))
+                logger.info("replica %s: back in rotation after restart #%d", replica.id, replica.restarts)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - e.g. the engine failed to start; try again
+                replica.state, replica.last_error = ReplicaState.RESTARTING, f"restart: {type(e).__name__}: {e}"
+                logger.error("replica %s: %s; next try in %.0f s", replica.id, replica.last_error, backoff)
+                kill = True
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, RESTART_BACKOFF_S[1])
+
+    # -- health ---------------------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        interval = self.config.gateway.health_interval_s
+        while not self._stopping:  # a flag too: 3.11's wait_for can swallow a cancellation
+            await asyncio.sleep(interval)
+            checks = [self._check(r) for r in self.router.all_replicas() if r.state.live]
+            await asyncio.gather(*checks)
+
+    async def _stats_loop(self) -> None:
+        """Poll every replica's engine stats for /metrics (works wherever the actors run)."""
+        interval = min(self.config.gateway.health_interval_s, STATS_EVERY_S)
+        while not self._stopping:
+            rows = []
+            for r in self.router.all_replicas():
+                stats = None
+                if r.state.live:
+                    try:
+                        s = await asyncio.wait_for(r.handle.stats(), timeout=interval)
+                        stats = {"running": s.running, "waiting": s.waiting, **s.extra}
+                    except Exception:  # noqa: BLE001 - the health loop judges the replica
+                        stats = None
+                rows.append((r.model, r.id, r.state.value, stats))
+            self.metrics.set_replicas(rows, [s.value for s in ReplicaState])
+            for name, pool in self.router.pools.items():
+                self.metrics.queued.labels(name).set(pool.queued)
+            await asyncio.sleep(interval)
+
+    async def _check(self, replica: Replica) -> None:
+        """One health check. A timeout takes the replica out of rotation after ``unhealthy_after``
+        in a row, and restarts it if it stays so for ``stall_timeout_s``; an engine that says it
+        is broken is restarted after ``unhealthy_after``; a dead or restarted process, or one that
+        holds requests without progress for ``stall_timeout_s``, is restarted at once."""
+        gw = self.config.gateway
+        now = time.monotonic()
+        timeout = gw.health_timeout_s or gw.health_interval_s
+        try:
+            health = await asyncio.wait_for(replica.handle.health(), timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - any failure counts
+            if isinstance(e, TandemError) and e.kind is ErrorKind.ENGINE_DEAD:
+                return self._recover(replica, "its process died", kill=False)
+            replica.consecutive_failures += 1
+            timed_out = isinstance(e, TimeoutError)
+            replica.last_error = "health check timed out" if timed_out else f"health check: {type(e).__name__}: {e}"
+            if replica.consecutive_failures < gw.unhealthy_after:
+                return
+            if not timed_out:
+                return self._recover(replica, f"its engine failed ({replica.last_error})", kill=True)
+            if replica.state is ReplicaState.HEALTHY:
+                replica.state = ReplicaState.UNHEALTHY
+                replica.unhealthy_since = now
+                logger.warning("replica %s: out of rotation (%s)", replica.id, replica.last_error)
+            elif now - replica.unhealthy_since >= gw.stall_timeout_s:
+                self._recover(replica, f"unresponsive for {now - replica.unhealthy_since:.0f} s", kill=True)
+            return
+        if not health.started or (replica.incarnation is not None and health.incarnation != replica.incarnation):
+            return self._recover(replica, "its process was restarted", kill=False)
+        replica.incarnation = health.incarnation
+        if health.in_flight and health.progress == replica.progress:
+            if now - replica.progress_since >= gw.stall_timeout_s:
+                return self._recover(replica, f"no progress for {now - replica.progress_since:.0f} s with "
+                                     f"{health.in_flight} request(s)", kill=True)
+        else:
+            replica.progress, replica.progress_since = health.progress, now
+        if replica.state is ReplicaState.UNHEALTHY:
+            logger.info("replica %s: healthy again", replica.id)
+        replica.consecutive_failures = 0
+        replica.last_error = None
+        replica.state = ReplicaState.HEALTHY
+        self.router.pools[replica.model].wake()
+
+    async def stop(self) -> None:
+        """Stop the loops, shut every live replica's engine down, release the deployment."""
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.wait(self._tasks, timeout=10) if self._tasks else None
+        replicas = [r for r in self.router.all_replicas() if r.state.live]  # the others: killed by close()
+        results = await asyncio.gather(
+            *(asyncio.wait_for(r.handle.shutdown(), timeout=30) for r in replicas), return_exceptions=True)
+        for r, res in zip(replicas, results, strict=True):
+            if isinstance(res, BaseException):
+                logger.warning("replica %s: shutdown: %s", r.id, res)
+        self.deployment.close()

@@ -1,0 +1,50 @@
+"""What the gateway shows of its replicas: /v1/models cards, /ready, /admin/replicas."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.replicas import Replica
+from gateway.router import Router
+
+
+def model_card(router: Router, name: str) -> dict:
+    pool = router.pools[name]
+    info = next((r.info for r in pool.replicas if r.info is not None), None)
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "tandem",
+        "kind": pool.kind,
+        "max_model_len": info.max_model_len if info else None,
+        "replicas": {"total": len(pool.replicas), "healthy": len(pool.healthy())},
+    }
+
+
+async def replica_stats(router: Router) -> list[dict]:
+    """Each replica as the router sees it, with its engine's own stats and description."""
+
+    async def one(r: Replica) -> dict:
+        row = {"id": r.id, "model": r.model, "state": r.state.value, "outstanding": r.outstanding,
+               "load": r.load, "restarts": r.restarts, "error": r.last_error}
+        if r.state.live:
+            try:
+                s = await asyncio.wait_for(r.handle.stats(), timeout=5)
+                row["engine"] = {"running": s.running, "waiting": s.waiting, **s.extra}
+                row.update(await asyncio.wait_for(r.handle.describe(), timeout=5))
+            except Exception as e:  # noqa: BLE001 - reported, not raised
+                row["engine_error"] = f"{type(e).__name__}: {e}"
+        return row
+
+    return list(await asyncio.gather(*(one(r) for r in router.all_replicas())))
+
+
+def readiness(router: Router) -> dict:
+    models = {}
+    for name, pool in router.pools.items():
+        models[name] = {
+            "ready": bool(pool.healthy()),
+            "replicas": [{"id": r.id, "state": r.state.value, "error": r.last_error} for r in pool.replicas],
+        }
+    return {"ready": all(m["ready"] for m in models.values()), "models": models}
