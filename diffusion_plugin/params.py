@@ -80,15 +80,35 @@ def _same(a, b) -> bool:
 
 
 class DiffusionKnobs(BaseModel):
+    """Diffusion models only: denoising knobs (defaults: the model's generation config)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    previews: bool = Field(False, description="Stream preview chunks (the current block's argmax) between blocks.")
-    max_denoising_steps: int | None = Field(None, ge=1, le=1024)
-    entropy_bound: float | None = Field(None, ge=0)
-    stability_threshold: int | None = Field(None, ge=0, le=64)
-    confidence_threshold: float | None = Field(None, ge=0)
-    t_min: float | None = Field(None, gt=0, le=100)
-    t_max: float | None = Field(None, gt=0, le=100)
+    previews: bool = Field(False, description="Stream preview chunks (the current block's argmax canvas, "
+                           "replacing the previous preview of that block) between committed blocks.")
+    max_denoising_steps: int | None = Field(None, ge=1, le=1024, description="Denoising steps per block at most; "
+                                            "the last one commits the block.")
+    entropy_bound: float | None = Field(None, ge=0, description="Entropy-bound acceptance: each step keeps the "
+                                        "lowest-entropy positions while their summed entropy stays within this "
+                                        "bound, and renoises the others.")
+    stability_threshold: int | None = Field(None, ge=0, le=64, description="Steps the argmax canvas must stay "
+                                            "unchanged (with confidence_threshold met) to commit a block early.")
+    confidence_threshold: float | None = Field(None, ge=0, description="A block commits early only while its "
+                                               "mean entropy is below this.")
+    t_min: float | None = Field(None, gt=0, le=100, description="Sampling temperature at the block's last step "
+                                "(the schedule runs from t_max down to t_min); at most t_max.")
+    t_max: float | None = Field(None, gt=0, le=100, description="Sampling temperature at the block's first step.")
+
+
+def knobs_schema() -> dict[str, Any]:
+    """The JSON Schema of the ``diffusion`` request object: the diffusion engine's request schema,
+    which the gateway's OpenAPI document embeds as is (one source: the two cannot drift). A null
+    default ("the model's own") is left out, as OpenAPI documents leave out nulls."""
+    schema = DiffusionKnobs.model_json_schema()
+    for prop in schema["properties"].values():
+        if "default" in prop and prop["default"] is None:
+            del prop["default"]
+    return schema
 
 
 class _Base(BaseModel):

@@ -14,16 +14,17 @@ from pydantic import ValidationError
 
 from gateway.auth import resolve_keys
 from tandem_core.config import DEFAULT_CONFIG, TandemConfig
+from workers.registry import validate_engine_args
 
 
 class ConfigError(Exception):
     """A configuration file that cannot be used; the message is meant for the operator."""
 
 
-def _format_errors(path: Path, err: ValidationError) -> str:
+def _format_errors(path: Path, err: ValidationError, prefix: tuple = ()) -> str:
     lines = [f"{path}: invalid configuration"]
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        loc = ".".join(str(p) for p in (*prefix, *e["loc"])) or "(top level)"
         lines.append(f"  {loc}: {e['msg']}")
     return "\n".join(lines)
 
@@ -35,6 +36,7 @@ def parse_config(data: Any, path: Path = Path("<config>")) -> TandemConfig:
         cfg = TandemConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_errors(path, e)) from None
+    _check_engine_args(cfg, path)
     if not cfg.models_dir.is_absolute():
         cfg = cfg.model_copy(update={"models_dir": (path.parent / cfg.models_dir).resolve()})
     if "config_dir" not in data:
@@ -44,6 +46,19 @@ def parse_config(data: Any, path: Path = Path("<config>")) -> TandemConfig:
     except ValueError as e:
         raise ConfigError(f"{path}: invalid configuration\n  auth: {e}") from None
     return cfg
+
+
+def _check_engine_args(cfg: TandemConfig, path: Path) -> None:
+    """Each model's engine_args against its engine's typed arguments (where the engine declares
+    them: diffusion does; vLLM checks its own when the replica starts)."""
+    for i, model in enumerate(cfg.models):
+        where = ("models", i, "engine_args")
+        try:
+            validate_engine_args(model)
+        except ValidationError as e:
+            raise ConfigError(_format_errors(path, e, where)) from None
+        except KeyError as e:
+            raise ConfigError(f"{path}: invalid configuration\n  models.{i}.engine_args.family: {e.args[0]}") from None
 
 
 def load_config(path: str | Path | None = None) -> TandemConfig:

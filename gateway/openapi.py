@@ -8,6 +8,7 @@ that fits the schema is one tandem should answer without a 5xx.
 
 from __future__ import annotations
 
+from diffusion_plugin.params import knobs_schema
 from tandem_core.config import LimitsConfig
 
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
@@ -30,19 +31,11 @@ _MESSAGE = {
 }
 _STOP = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1},
                                                           "maxItems": 4}, {"type": "null"}]}
-_DIFFUSION = {
-    "type": "object",
-    "description": "Diffusion models only: denoising knobs (defaults: the model's generation config).",
-    "properties": {
-        "max_denoising_steps": {"type": "integer", "minimum": 1, "maximum": 64},
-        "entropy_bound": {"type": "number", "exclusiveMinimum": 0},
-        "stability_threshold": {"type": "integer", "minimum": 1},
-        "confidence_threshold": {"type": "number", "minimum": 0, "maximum": 1},
-        "t_min": {"type": "number", "minimum": 0, "maximum": 1},
-        "t_max": {"type": "number", "minimum": 0, "maximum": 1},
-        "previews": {"type": "boolean"},
-    },
-}
+# The diffusion engine's own request schema (generated from ``DiffusionKnobs``), so the document
+# cannot drift from what the engine validates. Imported directly, not through
+# ``workers.registry``: ``diffusion_plugin.params`` imports no torch (a test checks), and a static
+# import is one the layering test sees.
+_DIFFUSION = knobs_schema()
 
 
 def request_body_schema(route: str, models: list[str], limits: LimitsConfig) -> dict:
@@ -105,7 +98,8 @@ def _other_schema(route: str, models: list[str], max_tokens: dict) -> dict:
                  "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
                  "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
                  "stream": {"type": ["boolean", "null"]}, "store": {"type": ["boolean", "null"]},
-                 "previous_response_id": {"type": ["string", "null"]}}
+                 "previous_response_id": {"type": ["string", "null"]},
+                 "diffusion": _DIFFUSION}
         required = ["model", "input"]
     elif route in ("messages", "messages_count_tokens"):
         props = {"model": model, "messages": {"type": "array", "items": _ANTHROPIC_MESSAGE, "minItems": 1},

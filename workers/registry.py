@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib import import_module
 from importlib.metadata import entry_points
+from typing import Any
+
+from pydantic import BaseModel
 
 from tandem_core.config import ModelConfig
 from tandem_core.protocol import Engine
@@ -26,7 +29,15 @@ _BUILTIN: dict[str, str] = {
 }
 
 
-def _load(target: str) -> Factory:
+# Typed engine_args per engine key (a pydantic model, importable without torch); keys without one
+# pass their engine_args through unchecked (vLLM checks its own when the replica builds it).
+_ARGS: dict[str, str] = {
+    "diffusion": "diffusion_plugin.engine_args:DiffusionEngineArgs",
+    "diffusion:diffusiongemma": "diffusion_plugin.engine_args:DiffusionEngineArgs",
+}
+
+
+def _load(target: str) -> Any:
     module, _, attr = target.partition(":")
     return getattr(import_module(module), attr)
 
@@ -41,6 +52,17 @@ def available() -> dict[str, str]:
 def key_for(cfg: ModelConfig) -> str:
     family = cfg.engine_args.get("family") if cfg.kind.value == "diffusion" else None
     return f"{cfg.kind.value}:{family}" if family else cfg.kind.value
+
+
+def validate_engine_args(cfg: ModelConfig) -> None:
+    """Called when the config loads. Raises pydantic's ValidationError (locations relative to
+    ``engine_args``) for a bad field, or KeyError when no engine is registered for ``cfg``."""
+    key = key_for(cfg)
+    if key in _ARGS:
+        model: type[BaseModel] = _load(_ARGS[key])
+        model.model_validate(cfg.engine_args)
+    elif key not in available():
+        raise KeyError(f"no engine registered for {key!r}; registered: {sorted(available())}")
 
 
 def create_engine(cfg: ModelConfig, source_path: str, key: str | None = None) -> Engine:

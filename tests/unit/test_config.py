@@ -1,5 +1,6 @@
 import pytest
 
+from diffusion_plugin.images import ImageLimits
 from gateway.config import ConfigError, load_config, parse_config
 
 GOOD = {"models": [{"name": "m", "kind": "autoregressive", "source": "builtin:tiny-llama"}]}
@@ -60,3 +61,43 @@ def test_cli_exits_non_zero_on_a_bad_config(tmp_path, capsys):
     bad.write_text("models: []\n")
     assert main(["serve", "--config", str(bad)]) == 2
     assert "models" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "engine_args, field, reason",
+    [
+        ({"max_batch": 0}, "models.0.engine_args.max_batch", "greater than or equal to 1"),
+        ({"boundaries": "rows"}, "models.0.engine_args.boundaries", "'block' or 'row'"),
+        ({"sampler": "fastest"}, "models.0.engine_args.sampler", "'exact' or 'fast'"),
+        ({"memory_budget_gib": -1}, "models.0.engine_args.memory_budget_gib", "greater than 0"),
+        ({"max_batchh": 4}, "models.0.engine_args.max_batchh", "Extra inputs"),
+        ({"family": "nope"}, "models.0.engine_args.family", "no engine registered for 'diffusion:nope'"),
+    ],
+)
+def test_a_bad_diffusion_engine_arg_names_file_and_field(tmp_path, engine_args, field, reason):
+    import yaml
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"models": [{"name": "d", "kind": "diffusion", "source": "x",
+                                                "engine_args": engine_args}]}))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert str(path) in msg and field in msg and reason in msg, msg
+
+
+def test_diffusion_engine_args_defaults_are_the_engines():
+    from diffusion_plugin.engine_args import DiffusionEngineArgs
+
+    args = DiffusionEngineArgs()
+    assert (args.family, args.max_batch, args.boundaries, args.sampler, args.dtype, args.device, args.num_threads,
+            args.memory_budget_gib) == ("diffusiongemma", 16, "block", "exact", "float32", "cpu", None, None)
+    assert args.image_limits() == ImageLimits()
+    assert all(f.description for f in DiffusionEngineArgs.model_fields.values())
+
+
+def test_the_shipped_configs_load():
+    from tandem_core.config import REPO_ROOT
+
+    for path in sorted((REPO_ROOT / "configs").glob("*.yaml")):
+        assert load_config(path).models, path

@@ -177,3 +177,38 @@ def test_token_estimates_of_the_new_routes():
     assert estimate_tokens({"input": [{"role": "user", "content": "a" * 8}]}) == 2 + 256
     assert estimate_tokens({"prompt": "a" * 40}, generates=False) == 10  # tokenize: no output
     assert estimate_tokens({"tokens": [1, 2]}, generates=False) == 1
+
+
+def test_openapi_diffusion_object_is_the_engines_knobs_schema(gw):
+    """One schema source: the document's ``diffusion`` object (chat, completions, responses) is
+    generated from ``DiffusionKnobs``, bounds included, so it cannot drift from what the engine
+    validates."""
+    from annotated_types import Ge, Gt, Le
+
+    from diffusion_plugin.params import DiffusionKnobs, knobs_schema
+
+    url, _, _ = gw
+    paths = httpx.get(url + "/openapi.json", timeout=10).json()["paths"]
+    knobs = knobs_schema()
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+        schema = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert schema["properties"]["diffusion"] == knobs, path
+    props = knobs["properties"]
+    for name, field in DiffusionKnobs.model_fields.items():
+        doc = props[name]["anyOf"][0] if "anyOf" in props[name] else props[name]
+        want = {}
+        for m in field.metadata:
+            if isinstance(m, Ge):
+                want["minimum"] = m.ge
+            elif isinstance(m, Gt):
+                want["exclusiveMinimum"] = m.gt
+            elif isinstance(m, Le):
+                want["maximum"] = m.le
+        got = {k: doc[k] for k in ("minimum", "exclusiveMinimum", "maximum") if k in doc}
+        assert got == want, name
+        assert props[name]["description"], name
+    # The bounds the hand-written copy had wrong (issue 13).
+    assert props["max_denoising_steps"]["anyOf"][0]["maximum"] == 1024
+    assert props["t_min"]["anyOf"][0]["maximum"] == props["t_max"]["anyOf"][0]["maximum"] == 100
+    assert props["stability_threshold"]["anyOf"][0]["minimum"] == 0
+    assert "maximum" not in props["confidence_threshold"]["anyOf"][0]

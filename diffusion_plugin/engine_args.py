@@ -1,0 +1,55 @@
+"""A diffusion model's ``engine_args``: typed, with a description per field.
+
+``gateway.config.parse_config`` validates them when the config loads (through
+``workers.registry.validate_engine_args``), so a typo or a bad value is a ``ConfigError`` naming
+the file and ``models.<i>.engine_args.<field>``; ``DiffusionEngine`` validates them again when it
+is built directly (tests, benchmarks). No torch here: the gateway imports this module.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from diffusion_plugin.images import ImageLimits
+
+_IMAGES = ImageLimits()
+
+
+class DiffusionEngineArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    family: str = Field("diffusiongemma", min_length=1, description="The model adapter "
+                        "(diffusion_plugin/families/); selects the engine registered as `diffusion:<family>`.")
+    max_batch: int = Field(16, ge=1, description="Sequences denoised together (rows of one decoder forward).")
+    boundaries: Literal["block", "row"] = Field("block", description="block: sequences join and leave at block "
+                                                "boundaries; row: each row commits and is replaced on its own.")
+    sampler: Literal["exact", "fast"] = Field("exact", description="exact: bit-exact with HF generate() run alone; "
+                                              "fast: batch-invariant and fused, not equal to generate().")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="The weights' torch dtype.")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="Where the model runs: cpu, cuda or "
+                        "cuda:<index>.")
+    num_threads: int | None = Field(None, ge=1, description="torch threads (set it to the replica's num_cpus). "
+                                    "None: torch's default.")
+    memory_budget_gib: float | None = Field(None, gt=0, description="GiB sequences may reserve (KV + per-row "
+                                            "state); sequences beyond it wait. None: a safe fraction of the memory "
+                                            "free once the weights are loaded, less a step's transient.")
+    max_images: int = Field(_IMAGES.max_images, ge=0, description="Images one request may carry.")
+    max_image_bytes: int = Field(_IMAGES.max_image_bytes, ge=1, description="Largest encoded image, in bytes "
+                                 "(beyond: 413).")
+    max_image_pixels: int = Field(_IMAGES.max_pixels, ge=1, description="Most pixels of a decoded image "
+                                  "(decompression bombs; beyond: 413).")
+    image_fetch: bool = Field(_IMAGES.fetch_urls, description="Fetch http(s) image URLs from the replica "
+                              "(false: only data: URLs are accepted).")
+    image_fetch_timeout_s: float = Field(_IMAGES.fetch_timeout_s, gt=0, description="Seconds one image fetch "
+                                         "may take.")
+
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(max_images=self.max_images, max_image_bytes=self.max_image_bytes,
+                           max_pixels=self.max_image_pixels, fetch_urls=self.image_fetch,
+                           fetch_timeout_s=self.image_fetch_timeout_s)
+
+    @property
+    def row_boundaries(self) -> bool:
+        return self.boundaries == "row"
