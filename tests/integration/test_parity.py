@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integration.conftest import ENGINE_ARGS
+from tests.integration.stack import ENGINE_ARGS
 
 MAX_TOKENS = 24
 PROMPTS = [

@@ -196,14 +196,8 @@ def test_nested_negative_prompt_ids_say_what_vllm_says(stack):
 @pytest.fixture(scope="module")
 def store_stack(tmp_path_factory):
     """A second stack: tiny-llama alone, one replica, its vLLM storing responses."""
-    import subprocess
-    import sys
-
-    import yaml
-
-    from tests.integration.conftest import ENGINE_ARGS, READY_TIMEOUT_S, REPO, Stack, _stop
+    from tests.integration.stack import ENGINE_ARGS, REPO, running_stack
     from tests.unit.gateway_server import free_port
-    from tests.waiting import wait_for
 
     tmp = tmp_path_factory.mktemp("store")
     port = free_port()
@@ -213,25 +207,8 @@ def store_stack(tmp_path_factory):
                           "resources": {"num_gpus": 0, "num_cpus": 1},
                           "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_RESPONSES_API_STORE": "1"},
                           "engine_args": ENGINE_ARGS}]}
-    (tmp / "config.yaml").write_text(yaml.safe_dump(config))
-    log = tmp / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "tandem_tools.cli", "serve", "--config", str(tmp / "config.yaml")],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO, process_group=0)
-    s = Stack(f"http://127.0.0.1:{port}", log, config)
-
-    def ready() -> bool:
-        if proc.poll() is not None:
-            pytest.fail(f"tandem serve exited with {proc.returncode}:\n{s.log_tail()}")
-        try:
-            return httpx.get(s.url + "/ready", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(ready, "the store stack is ready", timeout=READY_TIMEOUT_S, interval=1)
+    with running_stack(config, tmp) as s:
         yield s
-    finally:
-        _stop(proc)
 
 
 def test_stored_responses_are_retrieved_through_the_replica_that_made_them(store_stack):

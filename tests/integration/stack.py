@@ -1,0 +1,104 @@
+"""The real stack for integration tests: `tandem serve` in its own process group, and a
+client-side handle on it (shared by ``conftest.py``'s session stack and tests that need a
+stack of their own)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.waiting import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = float(os.environ.get("TANDEM_TEST_READY_TIMEOUT_S", "600"))
+ENGINE_ARGS = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 64, "dtype": "float32"}
+
+
+class Stack:
+    def __init__(self, url: str, log: Path, config: dict):
+        self.url = url
+        self.log = log
+        self.config = config
+
+    @property
+    def model_path(self) -> Path:
+        return REPO / "models" / "tiny-llama"
+
+    @property
+    def diffusion_path(self) -> Path:
+        return REPO / "models" / "tiny-diffusiongemma"
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kw)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def completion_text(self, model: str, prompt: str, max_tokens: int, stream: bool, **kw) -> str:
+        """One completion's text, streamed (the deltas joined) or not."""
+        c = self.client()
+        if not stream:
+            return c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, **kw).choices[0].text
+        chunks = c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True, **kw)
+        return "".join(ch.choices[0].text for ch in chunks if ch.choices)
+
+    def replica_stats(self, model: str = "tiny-llama") -> list[dict]:
+        rows = httpx.get(self.url + "/admin/replicas", timeout=10).json()["replicas"]
+        return [r for r in rows if r["model"] == model]
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever the group left behind (Ray, vLLM)
+    except ProcessLookupError:
+        pass
+
+
+
+
+@contextmanager
+def running_stack(config: dict, tmp: Path) -> Iterator[Stack]:
+    """`tandem serve` on ``config`` (its gateway.port set), ready, until the block ends."""
+    cfg_path = tmp / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(config))
+    log = tmp / "serve.log"
+    # A new process group (not a new session): one signal reaches Ray and vLLM too.
+    proc = subprocess.Popen([sys.executable, "-m", "tandem_tools.cli", "serve", "--config", str(cfg_path)],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO, process_group=0)
+    s = Stack(f"http://127.0.0.1:{config['gateway']['port']}", log, config)
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"tandem serve exited with {proc.returncode}:\n{s.log_tail()}")
+        try:
+            return httpx.get(s.url + "/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        try:
+            wait_for(ready, "tandem is ready", timeout=READY_TIMEOUT_S, interval=1)
+        except AssertionError as e:
+            pytest.fail(f"{e}\n{s.log_tail()}")
+        yield s
+    finally:
+        stop(proc)
