@@ -1,17 +1,21 @@
-"""The fast sampler on the tiny model: batch invariance and one attention call per layer."""
+"""The fast sampler on the tiny model: batch invariance, one attention call per layer, experts
+without a per-row loop (fixed-shape expert GEMMs), KV read in place from a page pool."""
 
 import pytest
 import torch
 
-from diffusion_plugin import attention
+from diffusion_plugin import attention, kv_view
+from diffusion_plugin.families import diffusiongemma_moe as moe
 from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
 from diffusion_plugin.request import SamplingParams, Sequence
 from diffusion_plugin.runner import Runner
 from diffusion_plugin.scheduler import Scheduler
 from workers import tiny_models
 
-PROMPTS = [[(7 * i + j) % 1000 + 3 for j in range(n)] for i, n in enumerate((25, 40, 90, 17, 14, 60))]  # 90 > window
+# 90 > window; 300 and 600 span several KV pages (ATTN_BLOCK 256) and their sliding layer drops pages.
+PROMPTS = [[(7 * i + j) % 1000 + 3 for j in range(n)] for i, n in enumerate((25, 40, 90, 17, 14, 60, 300, 600))]
 ARRIVALS = {0: [0, 1], 3: [2], 20: [3, 4], 40: [5]}  # step -> prompts arriving then (mid-block joins)
+LONG_ARRIVALS = {0: [6, 0], 5: [7], 12: [2]}
 
 
 @pytest.fixture(scope="module")
@@ -20,14 +24,15 @@ def adapter():
     return DiffusionGemmaAdapter(str(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA)))
 
 
-def _run(adapter, arrivals, sampler="fast", max_batch=4, steps=16, row_boundaries=False):
+def _run(adapter, arrivals, sampler="fast", max_batch=4, steps=16, row_boundaries=False, max_tokens=70,
+         on_step=None):
     params = {**adapter.defaults(), "max_denoising_steps": steps}
     sched = Scheduler(max_batch=max_batch, canvas_length=adapter.canvas_length, row_boundaries=row_boundaries)
-    runner, seqs, calls, widths, step = Runner(adapter, sampler), {}, [], [], 0
+    runner, seqs, calls, widths, step = Runner(adapter, sampler, kv_budget_bytes=64 << 20), {}, [], [], 0
     while step <= max(arrivals) or sched.has_work():
         for i in arrivals.get(step, []):
             seq = Sequence(seq_id=f"s{i}", prompt_ids=PROMPTS[i], params=SamplingParams(
-                max_tokens=70, seed=10 + i, eos_token_ids=(), **params))
+                max_tokens=max_tokens, seed=10 + i, eos_token_ids=(), **params))
             seqs[seq.seq_id] = seq
             sched.add(seq)
         step += 1
@@ -35,7 +40,11 @@ def _run(adapter, arrivals, sampler="fast", max_batch=4, steps=16, row_boundarie
         if batch.empty():
             continue
         before = attention.KERNEL_CALLS[0]
+        if on_step is not None:
+            on_step(runner, batch, "before")
         sched.update(runner.execute(batch, seqs))
+        if on_step is not None:
+            on_step(runner, batch, "after")
         if batch.denoise:
             calls.append(attention.KERNEL_CALLS[0] - before)
             widths.append(len(batch.denoise))
@@ -47,10 +56,19 @@ def test_fast_mode_is_batch_invariant(adapter, row_boundaries):
     """Default temperatures (sampling matters), prompts of different lengths joining mid-run."""
     together, _, widths = _run(adapter, ARRIVALS, row_boundaries=row_boundaries)
     assert max(widths) == 4
-    for i in range(len(PROMPTS)):
+    for i in range(6):
         alone, _, _ = _run(adapter, {0: [i]}, row_boundaries=row_boundaries)
         assert alone[f"s{i}"] == together[f"s{i}"], f"row {i} depends on its batch mates"
-    assert len({tuple(v) for v in together.values()}) == len(PROMPTS)  # and the rows differ
+    assert len({tuple(v) for v in together.values()}) == 6  # and the rows differ
+
+
+def test_fast_mode_is_batch_invariant_over_several_kv_pages(adapter):
+    """Long prompts: rows read several pages (and a sliding layer gives pages back) beside rows of one."""
+    together, _, widths = _run(adapter, LONG_ARRIVALS, max_tokens=300, steps=6)
+    assert max(widths) == 4
+    for i in (6, 0, 7, 2):
+        alone, _, _ = _run(adapter, {0: [i]}, max_tokens=300, steps=6)
+        assert alone[f"s{i}"] == together[f"s{i}"], f"row {i} depends on its batch mates"
 
 
 def test_fast_mode_makes_one_attention_call_per_layer_per_step(adapter):
@@ -81,3 +99,139 @@ def test_fast_sampler_follows_the_distribution(adapter):
     ids = _inverse_cdf(e, u)[0]
     freq = torch.bincount(ids, minlength=4)[:4].double() / ids.numel()
     assert int(freq[1]) == 0 and torch.allclose(freq, probs[:4].double(), atol=0.02)
+
+
+def _experts_case(hidden, inter, experts, top_k, seed=0):
+    from transformers.models.diffusion_gemma.configuration_diffusion_gemma import DiffusionGemmaTextConfig
+    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaTextExperts
+
+    cfg = DiffusionGemmaTextConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
+                                   top_k_experts=top_k, hidden_activation="gelu_pytorch_tanh")
+    cfg._experts_implementation = "grouped_mm"  # what the loaded model runs
+    module = DiffusionGemmaTextExperts(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(torch.randn(module.gate_up_proj.shape, generator=g) * hidden ** -0.5)
+        module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=g) * inter ** -0.5)
+    return module
+
+
+def _tokens(n, hidden, experts, top_k, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, hidden, generator=g)
+    w, idx = torch.topk(torch.softmax(torch.randn(n, experts, generator=g), -1), top_k, dim=-1)
+    return x, idx, w / w.sum(-1, keepdim=True)
+
+
+# The shape model's experts (128 x top 8 at hidden 128), then wider hiddens where the BLAS's
+# blocking differs (fewer experts, to keep the weights small).
+@pytest.mark.parametrize("hidden,inter,experts,top_k", [(128, 64, 128, 8), (1024, 352, 16, 4), (2816, 704, 4, 2)])
+def test_tiled_experts_are_batch_invariant_and_close_to_hf(hidden, inter, experts, top_k):
+    module = _experts_case(hidden, inter, experts, top_k)
+    args = (module.gate_up_proj, module.down_proj, module.act_fn)
+    with torch.no_grad():
+        for seed in range(3):
+            row = _tokens(256, hidden, experts, top_k, seed)  # one canvas
+            alone = moe.tiled_experts(*args, *row)
+            hf = module(*row)
+            assert torch.allclose(alone, hf, rtol=1e-5, atol=1e-5 * float(hf.abs().max()))
+            for mates in ([100], [256, 256, 37], [5, 256, 256, 256, 256]):
+                rows = [_tokens(n, hidden, experts, top_k, 100 * seed + j) for j, n in enumerate(mates)]
+                at = len(rows) // 2
+                rows.insert(at, row)
+                out = moe.tiled_experts(*args, *(torch.cat(parts) for parts in zip(*rows, strict=True)))
+                first = sum(r[0].shape[0] for r in rows[:at])
+                assert torch.equal(out[first:first + 256], alone), f"seed {seed}, mates {mates}"
+
+
+def test_fast_step_runs_experts_once_per_expert_not_per_row(adapter):
+    """Expert GEMM calls in a denoise-only step do not grow with the rows (exact mode: per row)."""
+    layers = len(adapter.layer_types)
+    experts = adapter.model.config.text_config.num_experts
+    counts = {}
+
+    def count(runner, batch, when):
+        if batch.encode or not batch.denoise:
+            return
+        if when == "before":
+            count.start = moe.GEMM_CALLS[0]
+        else:
+            counts.setdefault(len(batch.denoise), []).append(moe.GEMM_CALLS[0] - count.start)
+
+    _run(adapter, {0: [0, 1, 2, 3]}, steps=4, on_step=count)
+    _run(adapter, {0: [0]}, steps=4, on_step=count)
+    assert set(counts) == {1, 4}
+    for width, per_step in counts.items():
+        assert all(0 < c <= 2 * experts * layers for c in per_step), (width, per_step)
+    assert max(counts[4]) <= max(counts[1])  # the same (at most every expert, twice) with 4 rows as with 1
+
+
+def test_a_joining_row_copies_no_kv(adapter):
+    """Rows' K/V stay where the encoder wrote them: when a row joins, the pool is the same memory,
+    the other rows keep their pages and contents, and the decoder reads the pool itself."""
+    seen = {}
+
+    def check(runner, batch, when):
+        if runner.pool is None:
+            return
+        pool = runner.pool
+        rows = {s: r for s, r in runner.rows.items() if s not in batch.admit and r.cur_len}
+        if when == "before" and batch.admit and rows:
+            seen["ptrs"] = [t.data_ptr() for t in (*pool.k, *pool.v)]
+            seen["rows"] = {s: [(layer.first_page, layer.length, list(layer.pages), pool.k[i][layer.pages].clone(),
+                                 pool.v[i][layer.pages].clone()) for i, layer in enumerate(r.cache.layers)]
+                            for s, r in rows.items()}
+        elif when == "after" and "rows" in seen and "checked" not in seen:
+            assert [t.data_ptr() for t in (*pool.k, *pool.v)] == seen["ptrs"]
+            for s, layers in seen["rows"].items():
+                for i, (first, length, pages, k, v) in enumerate(layers):
+                    layer = runner.rows[s].cache.layers[i]
+                    for q, page in enumerate(pages):  # every page it kept: same page, same written tokens
+                        logical = first + q
+                        if logical < layer.first_page:
+                            continue  # a sliding layer gave it back
+                        assert layer.pages[logical - layer.first_page] == page
+                        n = min(attention.ATTN_BLOCK, length - logical * attention.ATTN_BLOCK)
+                        assert torch.equal(pool.k[i][page, :, :n], k[q, :, :n])
+                        assert torch.equal(pool.v[i][page, :, :n], v[q, :, :n])
+            spec = runner._views._spec[1]
+            assert all(spec.layers[i].k_pages is pool.k[i] and spec.layers[i].v_pages is pool.v[i]
+                       for i in range(len(pool.k)))
+            seen["checked"] = True
+
+    _run(adapter, {0: [0, 1], 2: [2]}, steps=8, on_step=check)
+    assert seen.get("checked")
+
+
+def test_retired_rows_give_their_pages_back(adapter):
+    """The pool holds exactly the pages of the rows alive (a sliding layer's old pages, a retired
+    row's pages go back), and is empty once the last row leaves."""
+    state = {"freed": 0}
+
+    def check(runner, batch, when):
+        state["runner"] = runner
+        if when == "after" and runner.pool is not None:
+            state["freed"] += len(batch.free)
+            for i in range(len(runner.pool.k)):
+                assert runner.pool.pages_in_use(i) == sum(len(r.cache.layers[i].pages) for r in runner.rows.values())
+
+    _run(adapter, {0: [6, 0], 3: [7], 4: [1]}, steps=3, max_tokens=40, max_batch=2, on_step=check)
+    runner = state["runner"]
+    assert state["freed"] >= 2
+    for seq_id in list(runner.rows):
+        runner.free(seq_id)
+    assert all(runner.pool.pages_in_use(i) == 0 for i in range(len(runner.pool.k)))
+
+
+def test_paged_layers_return_what_dynamic_layers_return(adapter):
+    """The encoder's attention sees the same keys and values (and mask sizes) as with HF's cache."""
+    pool = kv_view.KVPool(adapter.kv_layout(), 16, torch.float32, "cpu")
+    paged, plain = adapter.new_cache(pool), adapter.new_cache()
+    g = torch.Generator().manual_seed(0)
+    for n in (90, 32, 250, 32):
+        for i, (h, d) in enumerate(adapter.kv_layout()):
+            k, v = torch.randn(1, h, n, d, generator=g), torch.randn(1, h, n, d, generator=g)
+            a, b = paged.update(k, v, i), plain.update(k, v, i)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+            assert paged.get_mask_sizes(32, i) == plain.get_mask_sizes(32, i)
+            assert paged.get_seq_length(i) == plain.get_seq_length(i)
