@@ -24,11 +24,13 @@ from contextvars import ContextVar
 
 import torch
 
+from diffusion_plugin.memory import PAGE_TOKENS
+
 ATTN_NAME = "tandem_rowwise"
 # Batched encoder passes: per row, its own K/V (written to its own cache) and its own mask.
 ENCODE: ContextVar[EncodeSpec | None] = ContextVar("tandem_encode", default=None)
 FAST: ContextVar[FastSpec | None] = ContextVar("tandem_fast", default=None)
-ATTN_BLOCK = 256
+ATTN_BLOCK = PAGE_TOKENS  # keys per kernel step = tokens per KV page (kv_view)
 # exp() of anything below this is a float32 denormal, and a matmul over denormals runs ~60x
 # slower on CPU; exponents are clamped here (fast mode only). A masked key's weight is then set
 # to exactly 0 (its page may hold another position's values).

@@ -6,8 +6,10 @@ running the replica out of memory.
 
 A sequence's reservation covers its whole life, computed from the model's shape:
 - its KV cache at its longest (prompt + max_tokens + one canvas, per layer; a sliding layer
-  holds at most ``window`` tokens), twice: the cache itself and the fast mode's padded view
-  of it (rebuilt per block; the exact mode reads caches in place, so this is conservative);
+  holds at most ``window`` tokens) in whole ``PAGE_TOKENS`` pages (the fast mode's page pool;
+  the exact mode's ``DynamicCache`` holds no more), plus one layer's history read back while
+  the encoder attends (``DynamicLayer``'s ``cat``, or the page pool's gather): both modes read
+  the cache in place otherwise, there is no padded copy;
 - its state held between steps (canvas, self-conditioning soft embedding, stability history);
 - its share of the decoder trunk's activations (a few canvas x hidden tensors, attention scores
   over its keys).
@@ -26,6 +28,7 @@ SAFETY_FRACTION = 0.8  # of the memory free at engine start (after the weights a
 # margin (exact: 3 in its in-place sampler, 4 with logprobs; measured 0.93 GiB peak growth at
 # the real shape, batch 1).
 VOCAB_UNITS = {"exact": 5, "fast": 4}
+PAGE_TOKENS = 256  # tokens per KV page (= attention.ATTN_BLOCK, the kernel's key block)
 
 
 @dataclass(frozen=True)
@@ -43,11 +46,37 @@ def kv_bytes(shape: MemoryShape, tokens: int) -> int:
                for width, window in shape.layers)
 
 
+def _pages(tokens: int, window: int | None) -> int:
+    """Pages one layer of a sequence holds at most: a sliding layer keeps ``window`` tokens, which
+    straddle one more page than they fill."""
+    pages = -(-tokens // PAGE_TOKENS)
+    return min(pages, -(-window // PAGE_TOKENS) + 1) if window else pages
+
+
+def page_bytes(shape: MemoryShape, width: int) -> int:
+    return 2 * width * shape.itemsize * PAGE_TOKENS
+
+
+def kv_page_bytes(shape: MemoryShape, tokens: int) -> int:
+    """A sequence's KV in whole pages."""
+    return sum(_pages(tokens, window) * page_bytes(shape, width) for width, window in shape.layers)
+
+
+def pool_pages(shape: MemoryShape, budget_bytes: int) -> int:
+    """Pages per layer that every set of sequences fitting ``budget_bytes`` fits in: each sequence
+    holds as many pages in every full-attention layer (and no more in a sliding one) and its
+    reservation counts them all, so the full layers' pages bound every layer's."""
+    full = [width for width, window in shape.layers if not window] or [w for w, _ in shape.layers]
+    return budget_bytes // sum(page_bytes(shape, width) for width in full) + 1  # + the null page
+
+
 def sequence_bytes(shape: MemoryShape, prompt_tokens: int, max_tokens: int) -> int:
     """The most one sequence holds at once, from admission to retirement."""
     C, H = shape.canvas_length, shape.hidden_size
     tokens = prompt_tokens + max_tokens + C
-    kv = 2 * kv_bytes(shape, tokens)
+    history = max(2 * width * shape.itemsize * (min(tokens, window) if window else tokens)
+                  for width, window in shape.layers)
+    kv = kv_page_bytes(shape, tokens) + history
     state = C * (H * shape.itemsize + 8 * 4)  # soft embedding, canvas / argmax / history ids
     activations = C * shape.itemsize * 16 * H + 4 * C * shape.num_heads * min(tokens, 4 * C)
     # The encoder's prompt pass: activations over the whole prompt, once.

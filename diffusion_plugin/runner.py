@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from diffusion_plugin import memory
-from diffusion_plugin.attention import ATTN_BLOCK, FAST
+from diffusion_plugin.attention import FAST
 from diffusion_plugin.batch import RowOutput, StepBatch, StepOutput
 from diffusion_plugin.families import diffusiongemma_moe as moe
 from diffusion_plugin.families import diffusiongemma_vocab as vocab
@@ -59,9 +59,10 @@ class _Row:
 
 class Runner:
     def __init__(self, adapter, sampler: str = "exact", chunk_rows: int = 1, kv_budget_bytes: int | None = None):
-        """``kv_budget_bytes`` (fast mode): the KV pool's size, normally the engine's memory budget
-        (every admitted sequence's reservation covers its KV); default: the budget the engine
-        derives from the memory free now."""
+        """``kv_budget_bytes`` (fast mode): the memory budget the KV pool is sized for
+        (``memory.pool_pages``: whatever the budget admits fits in it); default: the budget the
+        engine derives by default from the memory free now. The pool is one ``torch.empty``
+        per layer: on the host only the pages written take memory."""
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}")
         self.adapter = adapter
@@ -93,14 +94,13 @@ class Runner:
 
     def _kv_pool(self) -> KVPool:
         if self.pool is None:
-            layout = self.adapter.kv_layout()
-            itemsize = torch.empty((), dtype=self.adapter.model.dtype).element_size()
-            page_bytes = sum(2 * h * d * ATTN_BLOCK * itemsize for h, d in layout)  # one page in every layer
+            shape = self.adapter.memory_shape()
             budget = self.kv_budget_bytes
             if budget is None:
-                transient = memory.step_transient_bytes(self.adapter.memory_shape(), self.sampler, self.chunk_rows)
+                transient = memory.step_transient_bytes(shape, self.sampler, self.chunk_rows)
                 budget = memory.default_budget_bytes(_free_bytes(self.adapter.device), transient)
-            self.pool = KVPool(layout, max(2, budget // page_bytes + 1), self.adapter.model.dtype, self.adapter.device)
+            self.pool = KVPool(self.adapter.kv_layout(), max(2, memory.pool_pages(shape, budget)),
+                               self.adapter.model.dtype, self.adapter.device)
         return self.pool
 
     def held_bytes(self) -> int:

@@ -1,6 +1,16 @@
 """Admission by memory in the pure scheduler, with hand-built sequences (no torch)."""
 
-from diffusion_plugin.memory import MemoryBudget, MemoryShape, kv_bytes, sequence_bytes
+import random
+
+from diffusion_plugin.memory import (
+    PAGE_TOKENS,
+    MemoryBudget,
+    MemoryShape,
+    kv_bytes,
+    kv_page_bytes,
+    pool_pages,
+    sequence_bytes,
+)
 from diffusion_plugin.request import SamplingParams, SeqStatus, Sequence
 from diffusion_plugin.scheduler import Scheduler
 from tests.unit.test_diffusion_scheduler import FakeDenoiser
@@ -76,3 +86,36 @@ def test_no_budget_means_no_memory_limit():
     s.add(_seq("a", prompt=10**6))
     batch, _ = s.schedule()
     assert batch.admit == ["a"]
+
+
+# The shape model's layout: a sliding layer (8 x 256 wide, window 1023) and a full one (2 x 512).
+REAL = MemoryShape(canvas_length=256, vocab_size=262144, hidden_size=128, itemsize=4,
+                   layers=((2048, 1023), (1024, None)), num_heads=16)
+
+
+def test_kv_is_reserved_once_in_whole_pages():
+    tokens = 300 + 256 + 256
+    pages = -(-tokens // PAGE_TOKENS)
+    assert kv_page_bytes(REAL, tokens) == pages * PAGE_TOKENS * 2 * 4 * (2048 + 1024)
+    assert kv_page_bytes(REAL, 10_000) == 2 * 4 * PAGE_TOKENS * (2048 * 5 + 1024 * 40)  # the window: 5 pages
+    assert kv_page_bytes(REAL, tokens) <= sequence_bytes(REAL, 300, 256) < 2 * kv_page_bytes(REAL, tokens) + 10**9
+
+
+def test_the_page_pool_holds_every_set_of_sequences_the_budget_admits():
+    rng = random.Random(0)
+    budget = 8 << 30
+    pages = pool_pages(REAL, budget) - 1  # less the null page
+    for _ in range(200):
+        held, used = [], 0
+        while True:
+            prompt, max_tokens = rng.randint(1, 20_000), rng.randint(1, 4096)
+            need = sequence_bytes(REAL, prompt, max_tokens)
+            if used + need > budget:
+                break
+            used += need
+            held.append(prompt + max_tokens + REAL.canvas_length)
+        for _width, window in REAL.layers:
+            per_seq = [-(-t // PAGE_TOKENS) for t in held]
+            if window:
+                per_seq = [min(p, -(-window // PAGE_TOKENS) + 1) for p in per_seq]
+            assert sum(per_seq) <= pages
