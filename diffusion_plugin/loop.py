@@ -1,12 +1,15 @@
 """The worker loop: one task owns the model. schedule -> execute (in a thread) -> update.
 
-Requests talk to it through ``submit``/``abort`` and receive ``SeqEvent``s on their own queue.
-A failed step fails every sequence of that batch (and resets the runner); the loop goes on.
+Requests talk to it through ``submit``/``abort``; a request's sequences (its ``n`` choices)
+share one queue of ``SeqEvent``s, in the order the loop emitted them. Each sequence's last event
+is ``FINISHED``. A failed step fails every sequence of that batch (and resets the runner); the
+loop goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,13 +20,19 @@ from diffusion_plugin.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
+class EventKind(enum.Enum):
+    PREVIEW = "preview"  # the block's argmax canvas after a step (sequences that asked for previews)
+    BLOCK = "block"  # a block committed: ``new_ids`` (and ``logprobs`` if asked)
+    FINISHED = "finished"  # the sequence's last event; ``seq.status`` says how it ended
+
+
 @dataclass
 class SeqEvent:
-    kind: str  # "preview" | "block" | "finished"
+    kind: EventKind
     seq: Sequence
     new_ids: list[int] = field(default_factory=list)
-    step: int = 0
-    logprobs: list | None = None  # "block": ``Committed.logprobs``
+    step: int = 0  # PREVIEW: the step just run (1-based)
+    logprobs: list | None = None  # BLOCK: ``Committed.logprobs``
 
 
 @dataclass
@@ -55,14 +64,17 @@ class DiffusionLoop:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    def submit(self, seq: Sequence) -> asyncio.Queue:
+    def submit(self, *seqs: Sequence) -> asyncio.Queue:
+        """Queue one request's sequences; returns the one queue all their events arrive on."""
         if self.dead is not None:
             raise RuntimeError(f"the diffusion loop died: {self.dead!r}")
-        seq.arrival = time.monotonic()
         queue: asyncio.Queue = asyncio.Queue()
-        self.seqs[seq.seq_id] = seq
-        self.queues[seq.seq_id] = queue
-        self.scheduler.add(seq)
+        now = time.monotonic()
+        for seq in seqs:
+            seq.arrival = now
+            self.seqs[seq.seq_id] = seq
+            self.queues[seq.seq_id] = queue
+            self.scheduler.add(seq)
         self._wake.set()
         return queue
 
@@ -71,14 +83,11 @@ class DiffusionLoop:
             self.scheduler.abort(seq_id, status)
             self._wake.set()
 
-    def num_active(self) -> int:
-        return len(self.scheduler.running)
-
     def _emit(self, event: SeqEvent) -> None:
         queue = self.queues.get(event.seq.seq_id)
         if queue is not None:
             queue.put_nowait(event)
-        if event.kind == "finished":
+        if event.kind is EventKind.FINISHED:
             self.queues.pop(event.seq.seq_id, None)
             self.seqs.pop(event.seq.seq_id, None)
 
@@ -91,7 +100,7 @@ class DiffusionLoop:
                 # 1. schedule (aborts drained first)
                 batch, finished = self.scheduler.schedule()
                 for f in finished:
-                    self._emit(SeqEvent("finished", f.seq))
+                    self._emit(SeqEvent(EventKind.FINISHED, f.seq))
                 now = time.monotonic()
                 for seq_id in batch.admit:
                     seq = self.seqs[seq_id]
@@ -111,7 +120,7 @@ class DiffusionLoop:
                     self.stats.errors += 1
                     self.runner.reset()
                     for f in self.scheduler.fail(list(self.scheduler.running), f"{type(e).__name__}: {e}"):
-                        self._emit(SeqEvent("finished", f.seq))
+                        self._emit(SeqEvent(EventKind.FINISHED, f.seq))
                     continue
                 self.stats.forward_s += out.forward_s
                 self.stats.busy_s += out.step_s
@@ -119,15 +128,15 @@ class DiffusionLoop:
                 for row in out.rows:
                     seq = self.seqs.get(row.seq_id)
                     if row.preview is not None and seq is not None and not row.block_done:
-                        self._emit(SeqEvent("preview", seq, row.preview, step=seq.step + 1))
+                        self._emit(SeqEvent(EventKind.PREVIEW, seq, row.preview, step=seq.step + 1))
                 committed, finished = self.scheduler.update(out)
                 done_at = time.monotonic()
                 for c in committed:
                     self.stats.block_seconds += done_at - c.seq.block_started
                     c.seq.block_started = done_at
-                    self._emit(SeqEvent("block", c.seq, c.new_ids, logprobs=c.logprobs))
+                    self._emit(SeqEvent(EventKind.BLOCK, c.seq, c.new_ids, logprobs=c.logprobs))
                 for f in finished:
-                    self._emit(SeqEvent("finished", f.seq))
+                    self._emit(SeqEvent(EventKind.FINISHED, f.seq))
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - this is a bug; end every waiter, never hang
@@ -135,6 +144,6 @@ class DiffusionLoop:
             self.dead = e
             for seq in list(self.seqs.values()):
                 seq.status, seq.error = SeqStatus.FINISHED_ERROR, f"the diffusion loop crashed: {e!r}"
-                self._emit(SeqEvent("finished", seq))
+                self._emit(SeqEvent(EventKind.FINISHED, seq))
             raise
 

@@ -24,11 +24,13 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from diffusion_plugin import params as P
+from diffusion_plugin.chunks import Delta, End, Preview
 from tandem_core.errors import TandemError, invalid
 
 
@@ -89,10 +91,7 @@ def to_messages(req: ResponsesBody) -> list[dict]:
 async def serve_responses(engine, body: dict, request_id: str) -> AsyncIterator:
     try:
         req = P.parse(ResponsesBody, body, NEUTRAL)
-        messages = to_messages(req)
-        prompt_ids, images, knobs = await engine._prepare(req, True, messages)
-        max_tokens = req.max_output_tokens or 256
-        engine._check_fits(prompt_ids, max_tokens, knobs, "input", "max_output_tokens")
+        sreq = await engine.intake.responses(req, to_messages(req))
     except TandemError as e:
         yield e
         return
@@ -124,31 +123,29 @@ async def serve_responses(engine, body: dict, request_id: str) -> AsyncIterator:
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
     where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
-    gen = engine._generate(request_id, prompt_ids, images, knobs, max_tokens, 1, [],
-                           req.diffusion.previews and req.stream, None)
     try:
-        if req.stream:
-            yield event("response.created", response=response("in_progress"))
-            yield event("response.in_progress", response=response("in_progress"))
-            yield event("response.output_item.added", output_index=0, item=_message(msg_id, "", "in_progress", []))
-            yield event("response.content_part.added", **where, part=_part(""))
-        async for ev in gen:
-            if ev[0] == "preview" and req.stream:
-                yield event("response.diffusion_preview", **where, **ev[2])
-            elif ev[0] in ("block", "finished"):
-                delta = ev[2]
-                text += delta
-                if ev[0] == "finished":
-                    finish = ev[3]
-                if req.stream and delta:
-                    yield event("response.output_text.delta", **where, delta=delta, logprobs=[])
-            elif ev[0] == "usage":
-                usage = (ev[1], ev[2])
+        async with aclosing(engine.generate(request_id, sreq)) as events:
+            if req.stream:
+                yield event("response.created", response=response("in_progress"))
+                yield event("response.in_progress", response=response("in_progress"))
+                yield event("response.output_item.added", output_index=0,
+                            item=_message(msg_id, "", "in_progress", []))
+                yield event("response.content_part.added", **where, part=_part(""))
+            async for ev in events:
+                if isinstance(ev, Preview):
+                    if req.stream:
+                        yield event("response.diffusion_preview", **where, **ev.preview)
+                elif isinstance(ev, Delta | End):
+                    text += ev.text
+                    if isinstance(ev, End):
+                        finish = ev.finish_reason
+                    if req.stream and ev.text:
+                        yield event("response.output_text.delta", **where, delta=ev.text, logprobs=[])
+                else:
+                    usage = (ev.prompt_tokens, ev.completion_tokens)
     except TandemError as e:
         yield e
         return
-    finally:
-        await gen.aclose()
     status = "incomplete" if finish == "length" else "completed"
     if not req.stream:
         yield response(status)

@@ -95,9 +95,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._aborts or self._to_free)
 
-    def num_free_slots(self) -> int:
-        return self.max_batch - len(self.running)
-
     # -- the cycle ------------------------------------------------------------------------
     def schedule(self) -> tuple[StepBatch, list[Finished]]:
         # 1. Drain aborts first: an aborted sequence leaves before the next forward.

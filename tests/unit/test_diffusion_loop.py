@@ -3,7 +3,7 @@
 import asyncio
 
 from diffusion_plugin.batch import RowOutput, StepOutput
-from diffusion_plugin.loop import DiffusionLoop
+from diffusion_plugin.loop import DiffusionLoop, EventKind
 from diffusion_plugin.request import SeqStatus
 from diffusion_plugin.scheduler import Scheduler
 from tests.unit.test_diffusion_scheduler import _seq
@@ -33,7 +33,7 @@ async def _drain(queue):
     while True:
         ev = await asyncio.wait_for(queue.get(), 5)
         events.append(ev)
-        if ev.kind == "finished":
+        if ev.kind is EventKind.FINISHED:
             return events
 
 
@@ -53,7 +53,7 @@ def test_a_failed_forward_errors_every_member_and_the_loop_serves_on():
     for events in (ea, eb):
         assert events[-1].seq.status is SeqStatus.FINISHED_ERROR and "forward exploded" in events[-1].seq.error
     assert runner.resets == 1
-    assert [e.kind for e in ec] == ["block", "finished"] and ec[-1].seq.status is SeqStatus.FINISHED_LENGTH
+    assert [e.kind for e in ec] == [EventKind.BLOCK, EventKind.FINISHED] and ec[-1].seq.status is SeqStatus.FINISHED_LENGTH
 
 
 def test_abort_of_a_waiting_request_answers_it():
@@ -68,3 +68,22 @@ def test_abort_of_a_waiting_request_answers_it():
 
     events = asyncio.run(main())
     assert events[-1].seq.status is SeqStatus.FINISHED_ABORTED
+
+
+def test_one_queue_carries_every_sequence_of_a_request():
+    async def main():
+        loop = DiffusionLoop(Scheduler(max_batch=4, canvas_length=4), FakeRunner())
+        loop.start()
+        q = loop.submit(_seq("r-0", max_tokens=4), _seq("r-1", max_tokens=8))
+        events, finished = [], 0
+        while finished < 2:
+            ev = await asyncio.wait_for(q.get(), 5)
+            events.append((ev.seq.seq_id, ev.kind))
+            finished += ev.kind is EventKind.FINISHED
+        await loop.stop()
+        return events, loop
+
+    events, loop = asyncio.run(main())
+    assert [k for s, k in events if s == "r-0"] == [EventKind.BLOCK, EventKind.FINISHED]
+    assert [k for s, k in events if s == "r-1"] == [EventKind.BLOCK, EventKind.BLOCK, EventKind.FINISHED]
+    assert not loop.queues and not loop.seqs  # a finished sequence leaves no queue behind

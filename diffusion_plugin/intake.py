@@ -1,0 +1,165 @@
+"""Request adaptation: an OpenAI body (already validated by ``diffusion_plugin.params``) -> a
+``SeqRequest``, what the batcher's sequences are built from.
+
+The prompt through the model's chat template (image parts decoded and encoded off the event
+loop), the effective knobs, and the two refusals that need the model: the context length and the
+memory budget (a 400 naming the field, before anything is queued). Also ``/tokenize`` and
+``/detokenize``, which only need the tokenizer. Raises ``TandemError``; imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from diffusion_plugin import params as P
+from diffusion_plugin.images import ImageLimits, extract_images, load_images
+from diffusion_plugin.memory import GIB, MemoryBudget
+from diffusion_plugin.request import SamplingParams, Sequence
+from tandem_core.errors import ErrorKind, TandemError, invalid
+
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass
+class SeqRequest:
+    """One request as the batcher sees it: its ``n`` sequences share all of this."""
+
+    prompt_ids: list[int]
+    images: object | None  # the family's encoded images, or None
+    knobs: dict  # the effective per-sequence knobs (``params.resolve``), ``seed`` included
+    max_tokens: int
+    n: int = 1
+    stops: list[str] = field(default_factory=list)
+    previews: bool = False
+    logprobs: int | None = None  # None: none; k: each committed token's logprob and the top k
+
+    def sequences(self, request_id: str, eos_token_ids: tuple[int, ...]) -> list[Sequence]:
+        """Choice i is ``<request_id>-<i>`` with seed + i."""
+        knobs = dict(self.knobs)
+        seed = knobs.pop("seed")
+        return [Sequence(seq_id=f"{request_id}-{i}", prompt_ids=list(self.prompt_ids),
+                         params=SamplingParams(max_tokens=self.max_tokens, seed=seed + i, eos_token_ids=eos_token_ids,
+                                               previews=self.previews, logprobs=self.logprobs, **knobs),
+                         images=self.images)
+                for i in range(self.n)]
+
+
+class Intake:
+    def __init__(self, model: str, adapter, image_limits: ImageLimits, scheduler, memory: MemoryBudget | None):
+        self.model = model
+        self.adapter = adapter
+        self.image_limits = image_limits
+        self.scheduler = scheduler  # for ``fits_alone``
+        self.memory = memory
+        self.image_stats = {"images": 0, "image_requests": 0, "image_encode_s": 0.0}
+
+    # -- the generation routes --------------------------------------------------------------
+    async def chat(self, req: P.ChatBody) -> SeqRequest:
+        return await self._prepare(req, req.messages, "messages", "max_tokens", req.output_limit(), req.n,
+                                   req.stops(), req.top_logprobs_k())
+
+    async def completion(self, req: P.CompletionBody) -> SeqRequest:
+        return await self._prepare(req, None, "prompt", "max_tokens", req.output_limit(), req.n, req.stops(),
+                                   req.top_logprobs_k())
+
+    async def responses(self, req, messages: list) -> SeqRequest:
+        return await self._prepare(req, messages, "input", "max_output_tokens", req.max_output_tokens, 1, [], None)
+
+    async def _prepare(self, req, messages: list | None, field: str, limit_field: str, max_tokens: int | None,
+                       n: int, stops: list[str], logprobs: int | None) -> SeqRequest:
+        images = None
+        if messages is not None:
+            messages, images = await self._images(messages)
+            prompt_ids = self._prompt_ids(messages, None)
+        else:
+            prompt_ids = self._prompt_ids(None, req.prompt)
+        if images is not None:
+            try:
+                prompt_ids = self.adapter.expand_image_tokens(prompt_ids, images.num_soft_tokens)
+            except ValueError as e:
+                raise invalid(f"messages: {e}", "messages") from None
+        knobs = P.resolve(req, self.adapter.defaults())
+        max_tokens = max_tokens or DEFAULT_MAX_TOKENS
+        self._check_fits(prompt_ids, max_tokens, knobs, field, limit_field)
+        return SeqRequest(prompt_ids, images, knobs, max_tokens, n, stops, req.diffusion.previews and req.stream,
+                          logprobs)
+
+    def _prompt_ids(self, messages: list | None, prompt: str | None) -> list[int]:
+        tok = self.adapter.tokenizer
+        if messages is not None:
+            try:
+                return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)
+            except Exception as e:  # noqa: BLE001 - a malformed message is the client's error
+                raise invalid(f"messages: cannot apply the chat template: {e}", param="messages") from None
+        return tok(prompt).input_ids
+
+    async def _images(self, messages: list) -> tuple[list, object | None]:
+        """The messages with image parts as placeholders, and the request's encoded images (None
+        without any). Decoding and the vision tower run in a worker thread, not in the denoise
+        loop: a large image delays its own request, not the other sequences' steps."""
+        messages, sources = extract_images(messages, self.image_limits)
+        if not sources:
+            return messages, None
+        if not self.adapter.has_vision:
+            raise invalid(f"messages: model {self.model!r} does not take image input", "messages")
+        pictures = await load_images(sources, self.image_limits)
+        t0 = time.perf_counter()
+        embeds = await asyncio.to_thread(self.adapter.encode_images, pictures)
+        self.image_stats["image_encode_s"] += time.perf_counter() - t0
+        self.image_stats["images"] += len(pictures)
+        self.image_stats["image_requests"] += 1
+        return messages, embeds
+
+    def _check_fits(self, prompt_ids: list[int], max_tokens: int, knobs: dict, field: str, limit_field: str) -> None:
+        limit = self.adapter.max_position
+        if limit and len(prompt_ids) + max_tokens + self.adapter.canvas_length > limit:
+            raise TandemError(ErrorKind.CONTEXT_TOO_LONG,
+                              f"This model's maximum context length is {limit} tokens; the prompt has "
+                              f"{len(prompt_ids)} and {limit_field} is {max_tokens}.", field)
+        if not self.scheduler.fits_alone(Sequence("probe", prompt_ids, SamplingParams(
+                max_tokens=max_tokens, seed=0, **{k: v for k, v in knobs.items() if k != "seed"}))):
+            longest = self.memory.max_prompt_tokens(max_tokens)
+            budget = self.memory.budget_bytes / GIB
+            if longest > 0:
+                raise TandemError(ErrorKind.CONTEXT_TOO_LONG,
+                                  f"{field}: the prompt ({len(prompt_ids)} tokens) with {limit_field} {max_tokens} "
+                                  f"needs more than this replica's memory budget ({budget:.2f} GiB); with that "
+                                  f"{limit_field} the prompt may have at most {longest} tokens", field)
+            raise TandemError(ErrorKind.CONTEXT_TOO_LONG,
+                              f"{limit_field}: {max_tokens} needs more than this replica's memory budget "
+                              f"({budget:.2f} GiB) even with an empty prompt", limit_field)
+
+    # -- tokenize, detokenize ---------------------------------------------------------------
+    def tokenize(self, body: dict) -> dict:
+        """vLLM's /tokenize: ``prompt`` (add_special_tokens, default true) or ``messages`` through
+        the model's chat template (add_generation_prompt, default true); return_token_strs."""
+        req = P.parse(P.TokenizeBody, body)
+        tok = self.adapter.tokenizer
+        if req.messages is not None:
+            if req.prompt is not None:
+                raise invalid("give either prompt or messages, not both", param="prompt")
+            messages, _ = extract_images(req.messages, self.image_limits)
+            try:
+                text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                               continue_final_message=req.continue_final_message, tokenize=False)
+            except Exception as e:  # noqa: BLE001 - a malformed message is the client's error
+                raise invalid(f"messages: cannot apply the chat template: {e}", param="messages") from None
+            ids = tok(text, add_special_tokens=req.add_special_tokens).input_ids
+        elif req.prompt is not None:
+            ids = tok(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+        else:
+            raise invalid("prompt: field required (or messages)", param="prompt")
+        return {"count": len(ids), "max_model_len": self.adapter.max_position, "tokens": list(ids),
+                "token_strs": tok.convert_ids_to_tokens(list(ids)) if req.return_token_strs else None}
+
+    def detokenize(self, body: dict) -> dict:
+        """vLLM's /detokenize: ``tokens`` -> ``prompt`` (special tokens kept, so it round-trips)."""
+        req = P.parse(P.DetokenizeBody, body)
+        vocab_size = len(self.adapter.tokenizer)
+        bad = next((t for t in req.tokens if t >= vocab_size), None)
+        if bad is not None:
+            raise invalid(f"tokens: token id {bad} is out of vocabulary (size {vocab_size})", param="tokens")
+        return {"prompt": self.adapter.tokenizer.decode(req.tokens, skip_special_tokens=False)}
