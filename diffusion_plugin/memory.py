@@ -62,12 +62,18 @@ def kv_page_bytes(shape: MemoryShape, tokens: int) -> int:
     return sum(_pages(tokens, window) * page_bytes(shape, width) for width, window in shape.layers)
 
 
-def pool_pages(shape: MemoryShape, budget_bytes: int) -> int:
-    """Pages per layer that every set of sequences fitting ``budget_bytes`` fits in: each sequence
-    holds as many pages in every full-attention layer (and no more in a sliding one) and its
-    reservation counts them all, so the full layers' pages bound every layer's."""
+def pool_pages(shape: MemoryShape, budget_bytes: int, lazy: bool = True) -> int:
+    """Pages per layer of the fast mode's pool (+ the null page).
+
+    ``lazy`` (host memory, committed page by page as written): enough for every set of sequences
+    that fits ``budget_bytes``: each holds as many pages in every full-attention layer (and no
+    more in a sliding one) and its reservation counts them all, so the full layers' pages bound
+    every layer's. Otherwise (a device, where the pool is reserved at once): the pool's bytes
+    stay within the budget (every layer gets the same count), which the full layers could
+    outgrow only if sequences whose reservations are mostly KV filled the whole budget."""
     full = [width for width, window in shape.layers if not window] or [w for w, _ in shape.layers]
-    return budget_bytes // sum(page_bytes(shape, width) for width in full) + 1  # + the null page
+    widths = full if lazy else [w for w, _ in shape.layers]
+    return budget_bytes // sum(page_bytes(shape, width) for width in widths) + 1
 
 
 def sequence_bytes(shape: MemoryShape, prompt_tokens: int, max_tokens: int) -> int:

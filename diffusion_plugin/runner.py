@@ -62,7 +62,8 @@ class Runner:
         """``kv_budget_bytes`` (fast mode): the memory budget the KV pool is sized for
         (``memory.pool_pages``: whatever the budget admits fits in it); default: the budget the
         engine derives by default from the memory free now. The pool is one ``torch.empty``
-        per layer: on the host only the pages written take memory."""
+        per layer: on the host only the pages written take memory; on a device it is reserved
+        at once, within the budget."""
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}")
         self.adapter = adapter
@@ -99,8 +100,8 @@ class Runner:
             if budget is None:
                 transient = memory.step_transient_bytes(shape, self.sampler, self.chunk_rows)
                 budget = memory.default_budget_bytes(_free_bytes(self.adapter.device), transient)
-            self.pool = KVPool(self.adapter.kv_layout(), max(2, memory.pool_pages(shape, budget)),
-                               self.adapter.model.dtype, self.adapter.device)
+            pages = memory.pool_pages(shape, budget, lazy=self.adapter.device.type == "cpu")
+            self.pool = KVPool(self.adapter.kv_layout(), max(2, pages), self.adapter.model.dtype, self.adapter.device)
         return self.pool
 
     def held_bytes(self) -> int:
