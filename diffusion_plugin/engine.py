@@ -64,7 +64,9 @@ class DiffusionEngine:
                                           num_threads=self.args.num_threads)
         self.adapter = adapter
         memory = self._budget()
-        return self.start_with(adapter, Runner(adapter, self.sampler, chunk_rows=self._chunk_rows()), memory)
+        # The fast mode's KV pool is sized for the budget the scheduler admits against.
+        runner = Runner(adapter, self.sampler, chunk_rows=self._chunk_rows(), kv_budget_bytes=memory.budget_bytes)
+        return self.start_with(adapter, runner, memory)
 
     def start_with(self, adapter, runner, memory: MemoryBudget | None) -> EngineInfo:
         """Serve on a loaded model adapter and a runner (``start``'s, or test doubles: a runner
