@@ -1,53 +1,84 @@
-"""`tandem bench`: the same streaming chat load against tandem and against its peer
-(`vllm serve` on the same model, same engine arguments, same machine), in one run, one
-server at a time (on a small box they would otherwise fight for the same cores).
+"""`tandem bench`: tandem against its peers on the same machine, in one run, on vLLM's own load
+generator (`vllm bench serve`).
+
+Setups, one engine alive at a time (an idle vLLM busy-waits on most of a core, so two would
+fight): ``direct`` (`vllm serve`), ``vllm-router`` and ``smg`` (the Rust gateways, each in front
+of a `vllm serve`, one worker, round robin; `pip install tandem[bench]`), and ``tandem`` (same
+model, same engine arguments). Rounds are interleaved (every setup once per round, the order
+rotated each round) and each figure is the median over rounds; a ratio to direct is the median
+of the per-round ratios (each pairs two runs close in time).
+
+Besides `vllm bench serve`'s tok/s, TTFT and ITL, the CPU time of each setup's gateway process
+(tandem's uvicorn process, the router's process) and of vLLM's serving layer (the `vllm serve`
+API server; in tandem the replica actor) is read from /proc over the measured requests: the
+wall clock of this shared 2-core box swings ~30%, CPU time per 1,000 tokens much less.
 
 Servers start in a new process group of this session (a new *session* was seen to deliver
-streams in bursts, ~10x worse TTFT); the load comes from ``tandem_tools.loadgen`` (httpx).
+streams in bursts, ~10x worse TTFT).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
+import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from tandem_tools.loadgen import LevelResult, run_level
-from tandem_tools.servers import Server, prompts
+from tandem_tools import procstat
+from tandem_tools.servers import Server
+from tandem_tools.vllm_bench import LevelResult, LevelSpec, run_level
 from workers import tiny_models
 
 logger = logging.getLogger("tandem.bench")
 ENGINE_ARGS = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 64, "dtype": "float32"}
 ALL_CORES = set(os.sched_getaffinity(0))
-CORPUS = Path(__file__).resolve().parent.parent / "workers" / "data" / "corpus.txt"
+TARGETS = ("direct", "vllm-router", "smg", "tandem")
+MODEL = "tiny-llama"
+ACTOR_PREFIX = "ray::EngineActor"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["ar", "diffusion"], default="ar",
-                   help="ar: tandem vs `vllm serve` (default); diffusion: tandem's batcher vs HF generate()")
+                   help="ar: tandem vs `vllm serve`, vllm-router and smg, load from `vllm bench serve` "
+                        "(default); diffusion: tandem's batcher vs HF generate()")
     p.add_argument("--concurrency", default="1,8,32",
                    help="comma-separated levels (default: 1,8,32; diffusion mode: 1,4,8,16, and 1,4,MAX_BATCH "
                         "for the shape model)")
     p.add_argument("--requests", type=int, default=0,
-                   help="requests per level (default: max(16, 4 x concurrency))")
+                   help="requests per level (default: max(32, 4 x concurrency))")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: 64)")
-    p.add_argument("--targets", default="tandem,direct", help="which servers to run (default: tandem,direct)")
-    p.add_argument("--port", type=int, default=8123, help="port for the server under test (default: 8123)")
+    p.add_argument("--input-len", type=int, default=32,
+                   help="ar mode: prompt tokens per request, before the chat template (default: 32)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="ar mode: interleaved rounds, every setup once per round (default: 2)")
+    p.add_argument("--targets", default=",".join(TARGETS),
+                   help=f"ar mode: which setups to run (default: {','.join(TARGETS)})")
+    p.add_argument("--port", type=int, default=8123,
+                   help="port for the server under test (default: 8123; a gateway's vLLM takes the next one)")
     p.add_argument("--out", help="also write the results as JSON to this file")
     p.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for a server to be ready")
 
 
-def _bodies(n: int, max_tokens: int, seed: int) -> list[dict]:
-    return [{"model": "tiny-llama", "messages": [{"role": "user", "content": p}], "max_tokens": max_tokens,
-             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0}
-            for p in prompts(n, seed)]
+# -- setups ---------------------------------------------------------------------------------
+@dataclass
+class Setup:
+    """What one target runs: ``servers`` start in order (the engine first) and stop in reverse;
+    load goes to the last one."""
+
+    name: str
+    servers: list[Server]
+    gateway: Server | None  # the gateway process whose CPU is reported (None: direct)
+    serving: Callable[[], int | None]  # pid of vLLM's serving layer, once everything is ready
 
 
 def _vllm_flags(engine_args: dict) -> list[str]:
@@ -61,85 +92,211 @@ def _vllm_flags(engine_args: dict) -> list[str]:
     return flags
 
 
-def _servers(args, model_path: str, workdir: Path) -> dict[str, Server]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cfg = {
-        "gateway": {"host": "127.0.0.1", "port": args.port},
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+def router_argv(kind: str, port: int, worker_port: int, metrics_port: int) -> list[str]:
+    """A Rust gateway in front of one `vllm serve`: round robin, its metrics on a port of its own
+    (both default to 29000, which another process on a shared box may hold)."""
+    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", f"http://127.0.0.1:{worker_port}",
+              "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+    if kind == "vllm-router":
+        return [_bin("vllm-router"), *common, "--log-level", "warning"]
+    if kind == "smg":
+        return [_bin("smg"), "launch", *common, "--log-level", "warn"]
+    raise ValueError(f"unknown router {kind!r}")
+
+
+def tandem_config(port: int, model_path: str) -> dict:
+    return {
+        "gateway": {"host": "127.0.0.1", "port": port},
         "ray": {"num_cpus": 2},
-        "models": [{"name": "tiny-llama", "kind": "autoregressive", "source": model_path,
+        "models": [{"name": MODEL, "kind": "autoregressive", "source": model_path,
                     "resources": {"num_gpus": 0, "num_cpus": 1}, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
                     "engine_args": ENGINE_ARGS}],
     }
+
+
+def _setups(args, model_path: str, workdir: Path) -> dict[str, Setup]:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+    def vllm(port: int, log: str) -> Server:
+        return Server("vllm serve", [sys.executable, "-m", "tandem_tools.vllm_cli_shim", "serve", model_path,
+                                     "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
+                                     "--disable-uvicorn-access-log", *_vllm_flags(ENGINE_ARGS)],
+                      port, "/v1/models", workdir / log, env)
+
     cfg_path = workdir / "tandem.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
+    cfg_path.write_text(yaml.safe_dump(tandem_config(args.port, model_path)))
     tandem = Server("tandem", [sys.executable, "-m", "tandem_tools.cli", "--log-level", "warning", "serve",
                                "--config", str(cfg_path)], args.port, "/ready", workdir / "tandem.log", env)
-    direct = Server("direct", [sys.executable, "-m", "tandem_tools.vllm_cli_shim", "serve", model_path,
-                               "--served-model-name", "tiny-llama", "--host", "127.0.0.1", "--port", str(args.port),
-                               "--disable-uvicorn-access-log", *_vllm_flags(ENGINE_ARGS)],
-                    args.port, "/v1/models", workdir / "direct.log", env)
-    return {"tandem": tandem, "direct": direct}
+    direct = vllm(args.port, "direct.log")
+    setups = {
+        "direct": Setup("direct", [direct], None, lambda: direct.proc.pid),
+        "tandem": Setup("tandem", [tandem], tandem, lambda: procstat.find(tandem.proc.pid, ACTOR_PREFIX)),
+    }
+    for kind in ("vllm-router", "smg"):
+        engine = vllm(args.port + 1, f"{kind}-vllm.log")
+        router = Server(kind, router_argv(kind, args.port, args.port + 1, args.port + 2), args.port,
+                        "/v1/models", workdir / f"{kind}.log", env)
+        setups[kind] = Setup(kind, [engine, router], router, lambda e=engine: e.proc.pid)
+    return setups
 
 
-def _run_target(server: Server, levels: list[int], args) -> dict[int, LevelResult]:
-    from workers.cpu_affinity import keep_off_vllm_workers
+def missing_binaries(targets: list[str]) -> list[str]:
+    return [t for t in targets if t in ("vllm-router", "smg") and not Path(_bin(t)).exists()]
 
-    out = {}
-    with server:
-        server.wait_ready(args.ready_timeout)
-        # The load generator keeps off vLLM's pinned worker core for both targets alike.
-        for tid in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(tid), ALL_CORES)
-        keep_off_vllm_workers()
-        url = f"http://127.0.0.1:{server.port}"
-        asyncio.run(run_level(url, _bodies(8, 8, seed=99), 4))  # warm-up
+
+# -- running --------------------------------------------------------------------------------
+def num_prompts(requests: int, c: int) -> int:
+    return requests or max(32, 4 * c)
+
+
+def _client_cores() -> set[int] | None:
+    """The load generator keeps off vLLM's pinned worker core, for every setup alike."""
+    from workers.cpu_affinity import vllm_worker_cores
+
+    allowed = ALL_CORES - vllm_worker_cores()
+    return allowed if allowed and allowed != ALL_CORES else None
+
+
+def _run_setup(setup: Setup, levels: list[int], args, model_path: str, workdir: Path,
+               rnd: int) -> dict[int, LevelResult]:
+    out: dict[int, LevelResult] = {}
+    with ExitStack() as stack:
+        for server in setup.servers:
+            os.sched_setaffinity(0, ALL_CORES)  # a server inherits this process's cores
+            stack.enter_context(server)
+            server.wait_ready(args.ready_timeout)
+        serving_pid = setup.serving()
+        pids = {"serving": serving_pid}
+        if setup.gateway:
+            pids["gateway"] = setup.gateway.proc.pid
+        if serving_pid is None:
+            logger.warning("%s: vLLM's serving-layer process not found; its CPU is not reported", setup.name)
+        pids = {k: v for k, v in pids.items() if v}
+
+        def sample() -> dict[str, float]:
+            return {k: procstat.cpu_s(pid) for k, pid in pids.items()}
+
+        affinity = _client_cores()
         for c in levels:
-            n = args.requests or max(16, 4 * c)
-            res = asyncio.run(run_level(url, _bodies(n, args.max_tokens, seed=c), c))
-            logger.info("%s c=%d: %.1f tok/s, TTFT p50 %.0f ms, %d errors", server.name, c,
-                        res.output_tokens_per_s, res.ttft_p50_ms, res.errors)
+            spec = LevelSpec(f"http://127.0.0.1:{args.port}", MODEL, model_path, c, num_prompts(args.requests, c),
+                             args.input_len, args.max_tokens, seed=c)
+            res = run_level(spec, workdir, sample, f"r{rnd}-{setup.name}-c{c}", affinity=affinity)
+            logger.info("round %d %s c=%d: %.0f tok/s, TTFT p50 %.1f ms, ITL p50 %.2f ms, %d failed, CPU ms/1k tok %s",
+                        rnd, setup.name, c, res.output_tok_s, res.ttft_p50_ms, res.itl_p50_ms, res.failed,
+                        {k: round(res.cpu_ms_per_1k_tokens(k) or 0) for k in res.cpu_s})
             out[c] = res
     return out
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b else "-"
+def round_order(targets: list[str], rnd: int) -> list[str]:
+    """Every target once per round, rotated so that no target always runs first (or last)."""
+    k = rnd % len(targets) if targets else 0
+    return targets[k:] + targets[:k]
 
 
-def format_table(results: dict[str, dict[int, LevelResult]], levels: list[int]) -> str:
-    cols = [("req/s", "requests_per_s", "{:.2f}"), ("out tok/s", "output_tokens_per_s", "{:.0f}"),
-            ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"), ("TTFT p99 ms", "ttft_p99_ms", "{:.0f}"),
-            ("ITL p50 ms", "itl_p50_ms", "{:.1f}")]
-    lines = ["| conc | metric | tandem | direct (vllm serve) | tandem/direct |", "|---|---|---|---|---|"]
+# -- the table ------------------------------------------------------------------------------
+Rounds = list[dict[int, LevelResult]]  # one {concurrency: result} per round
+
+
+def _front_cpu(r: LevelResult) -> float | None:
+    """Gateway + vLLM's serving layer, ms per 1,000 tokens: all but the engine core."""
+    parts = [r.cpu_ms_per_1k_tokens(k) for k in ("gateway", "serving") if k in r.cpu_s]
+    return sum(parts) if parts and "serving" in r.cpu_s else None
+
+
+METRICS: list[tuple[str, Callable[[LevelResult], float | None], str, bool]] = [
+    # label, value, format, ratio to direct
+    ("out tok/s", lambda r: r.output_tok_s, "{:,.0f}", True),
+    ("TTFT p50 ms", lambda r: r.ttft_p50_ms, "{:.1f}", True),
+    ("TTFT p99 ms", lambda r: r.ttft_p99_ms, "{:.1f}", True),
+    ("ITL p50 ms", lambda r: r.itl_p50_ms, "{:.2f}", True),
+    ("gateway CPU ms/request", lambda r: r.cpu_ms_per_request("gateway"), "{:.2f}", False),
+    ("gateway CPU ms/1k tok", lambda r: r.cpu_ms_per_1k_tokens("gateway"), "{:.0f}", False),
+    ("gateway+serving CPU ms/1k tok", _front_cpu, "{:.0f}", True),
+]
+
+
+def _median(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None and v == v]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(results: dict[str, Rounds], levels: list[int], baseline: str = "direct") -> dict:
+    """{target: {c: {label: (median value, median ratio to baseline or None)}}}."""
+    out: dict = {}
+    for target, rounds in results.items():
+        out[target] = {}
+        for c in levels:
+            row = {}
+            for label, fn, _, with_ratio in METRICS:
+                vals = [fn(r[c]) for r in rounds if c in r]
+                ratios = []
+                if with_ratio and target != baseline:
+                    for i, r in enumerate(rounds):
+                        base = results.get(baseline, [])
+                        if c in r and i < len(base) and c in base[i]:
+                            v, b = fn(r[c]), fn(base[i][c])
+                            ratios.append(v / b if v is not None and b else None)
+                row[label] = (_median(vals), _median(ratios))
+            row["failed"] = sum(r[c].failed for r in rounds if c in r)
+            out[target][c] = row
+    return out
+
+
+def format_table(results: dict[str, Rounds], levels: list[int]) -> str:
+    targets = list(results)
+    summary = summarize(results, levels)
+    lines = ["| c | metric | " + " | ".join(targets) + " |", "|---|---|" + "---|" * len(targets)]
     for c in levels:
-        t, d = results.get("tandem", {}).get(c), results.get("direct", {}).get(c)
-        for label, attr, fmt in cols:
-            tv = getattr(t, attr) if t else None
-            dv = getattr(d, attr) if d else None
-            lines.append(f"| {c} | {label} | {fmt.format(tv) if tv is not None else '-'} | "
-                         f"{fmt.format(dv) if dv is not None else '-'} | "
-                         f"{_ratio(tv, dv) if tv is not None and dv is not None else '-'} |")
-        errs = [f"{k}: {r[c].errors}" for k, r in results.items() if c in r and r[c].errors]
-        if errs:
-            lines.append(f"| {c} | errors | {', '.join(errs)} | | |")
+        for label, _, fmt, _ in METRICS:
+            cells = []
+            for t in targets:
+                value, ratio = summary[t][c][label]
+                cell = "-" if value is None else fmt.format(value)
+                if value is not None and ratio is not None:
+                    cell += f" ({ratio:.2f}x)"
+                cells.append(cell)
+            if any(cell != "-" for cell in cells):
+                lines.append(f"| {c} | {label} | " + " | ".join(cells) + " |")
+        failed = [f"{t}: {summary[t][c]['failed']}" for t in targets if summary[t][c]["failed"]]
+        if failed:
+            lines.append(f"| {c} | failed requests | " + ", ".join(failed) + " |" + " |" * (len(targets) - 1))
     return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     levels = [int(x) for x in args.concurrency.split(",")]
-    targets = [t.strip() for t in args.targets.split(",")]
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        print(f"tandem bench: unknown target(s) {', '.join(unknown)}; known: {', '.join(TARGETS)}", file=sys.stderr)
+        return 2
+    missing = missing_binaries(targets)
+    if missing:
+        print(f"tandem bench: {', '.join(missing)} not installed (pip install 'tandem[bench]'); skipping",
+              file=sys.stderr)
+        targets = [t for t in targets if t not in missing]
     model_path = str(tiny_models.build(tiny_models.TINY_LLAMA))
-    results: dict[str, dict[int, LevelResult]] = {}
+    results: dict[str, Rounds] = {t: [] for t in targets}
+    t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
-        servers = _servers(args, model_path, Path(tmp))
-        for name in targets:
-            results[name] = _run_target(servers[name], levels, args)
+        setups = _setups(args, model_path, Path(tmp))
+        for rnd in range(args.rounds):
+            for name in round_order(targets, rnd):
+                results[name].append(_run_setup(setups[name], levels, args, model_path, Path(tmp), rnd))
     table = format_table(results, levels)
-    print(f"\nstreaming chat, tiny-llama, {args.max_tokens} output tokens/request, ignore_eos\n")
+    print(f"\nstreaming chat ({MODEL}, `vllm bench serve`, random dataset, {args.input_len} prompt tokens, "
+          f"{args.max_tokens} output tokens, ignore_eos), medians of {args.rounds} interleaved rounds, "
+          f"{time.monotonic() - t0:.0f} s\n")
     print(table)
     if args.out:
         Path(args.out).write_text(json.dumps(
-            {"levels": levels, "max_tokens": args.max_tokens,
-             "results": {k: {c: r.as_dict() for c, r in v.items()} for k, v in results.items()}}, indent=1))
+            {"levels": levels, "rounds": args.rounds, "input_len": args.input_len, "max_tokens": args.max_tokens,
+             "targets": targets, "table": table,
+             "results": {t: [{c: r.as_dict() for c, r in rnd.items()} for rnd in v] for t, v in results.items()}},
+            indent=1))
     return 0

@@ -1,8 +1,23 @@
 import math
+import os
+import subprocess
+import sys
 
-from tandem_tools.bench import _bodies, _vllm_flags, format_table
+import pytest
+
+from tandem_tools import procstat, vllm_bench
+from tandem_tools.bench import (
+    _vllm_flags,
+    format_table,
+    missing_binaries,
+    num_prompts,
+    round_order,
+    router_argv,
+    summarize,
+)
 from tandem_tools.cli import build_parser
-from tandem_tools.loadgen import LevelResult, percentile
+from tandem_tools.loadgen import percentile
+from tandem_tools.vllm_bench import LevelResult, LevelSpec, bench_serve_argv, cpu_delta, parse_result
 
 
 def test_percentile():
@@ -16,19 +31,116 @@ def test_vllm_flags_mirror_engine_args():
         "--enforce-eager", "--max-model-len", "512"]
 
 
-def test_bodies_are_deterministic_streaming_chats():
-    a, b = _bodies(4, 16, seed=1), _bodies(4, 16, seed=1)
-    assert a == b and all(x["stream"] and x["max_tokens"] == 16 for x in a)
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
 
 
-def test_table_has_ratios():
-    r = LevelResult(concurrency=1, requests=10, errors=0, wall_s=2.0, output_tokens=100, ttft_p50_ms=10,
-                    ttft_p99_ms=20, itl_p50_ms=1.0, latency_p50_ms=50)
-    d = LevelResult(concurrency=1, requests=10, errors=0, wall_s=1.0, output_tokens=100, ttft_p50_ms=5,
-                    ttft_p99_ms=10, itl_p50_ms=1.0, latency_p50_ms=25)
-    table = format_table({"tandem": {1: r}, "direct": {1: d}}, [1])
-    assert "| 1 | out tok/s | 50 | 100 | 0.50x |" in table
-    assert "| 1 | TTFT p50 ms | 10 | 5 | 2.00x |" in table
+def test_bench_serve_argv_fixes_lengths_and_saves_percentiles(tmp_path):
+    spec = LevelSpec("http://127.0.0.1:9", "tiny-llama", "/m/tiny-llama", concurrency=8, num_prompts=32,
+                     input_len=32, output_len=64, seed=3)
+    argv = bench_serve_argv(spec, tmp_path, "x.json")
+    assert argv[:5] == [sys.executable, "-m", "tandem_tools.vllm_cli_shim", "bench", "serve"]
+    assert "--ignore-eos" in argv and "--save-result" in argv
+    expected = {"--backend": "openai-chat", "--endpoint": "/v1/chat/completions", "--base-url": "http://127.0.0.1:9",
+                "--model": "tiny-llama", "--tokenizer": "/m/tiny-llama", "--dataset-name": "random",
+                "--random-input-len": "32", "--random-output-len": "64", "--random-range-ratio": "0",
+                "--max-concurrency": "8", "--num-prompts": "32", "--num-warmups": "8", "--seed": "3",
+                "--metric-percentiles": "50,99", "--result-dir": str(tmp_path), "--result-filename": "x.json"}
+    assert {k: _flag(argv, k) for k in expected} == expected
+    assert set(_flag(argv, "--percentile-metrics").split(",")) >= {"ttft", "itl"}
+
+
+RESULT = {"max_concurrency": 8, "completed": 32, "failed": 0, "duration": 1.36, "total_output_tokens": 2048,
+          "output_throughput": 1506.3, "p50_ttft_ms": 50.1, "p99_ttft_ms": 61.2, "median_ttft_ms": 50.1,
+          "p50_itl_ms": 4.54, "p99_itl_ms": 15.3, "p50_tpot_ms": 4.78, "itls": [[0.004]]}
+
+
+def test_parse_result_and_cpu_per_request_and_per_1k_tokens():
+    r = parse_result(RESULT, cpu={"gateway": 0.512, "serving": 1.024})
+    assert (r.concurrency, r.completed, r.output_tokens, r.output_tok_s) == (8, 32, 2048, 1506.3)
+    assert (r.ttft_p50_ms, r.ttft_p99_ms, r.itl_p50_ms, r.tpot_p50_ms) == (50.1, 61.2, 4.54, 4.78)
+    assert r.cpu_ms_per_request("gateway") == pytest.approx(16.0)  # 512 ms over 32 requests
+    assert r.cpu_ms_per_1k_tokens("gateway") == pytest.approx(250.0)  # 512 ms over 2.048 k tokens
+    assert r.cpu_ms_per_1k_tokens("serving") == pytest.approx(500.0)
+    assert r.cpu_ms_per_request("nope") is None
+    assert parse_result({**RESULT, "completed": 0, "total_output_tokens": 0}, {"gateway": 1.0}).cpu_ms_per_1k_tokens(
+        "gateway") is None
+    old = parse_result({k: v for k, v in RESULT.items() if k != "p50_ttft_ms"})
+    assert old.ttft_p50_ms == 50.1  # falls back to the median
+    assert cpu_delta({"a": 1.0, "b": 2.0}, {"a": 1.5, "b": 1.0}) == {"a": 0.5, "b": 0.0}  # a pid reused: not < 0
+
+
+def test_run_level_samples_cpu_between_the_markers(tmp_path, monkeypatch):
+    script = (f"import json, sys; print('warming up'); print({vllm_bench.START_MARK!r}); "
+              f"print('=== ' + {vllm_bench.END_MARK!r} + ' ==='); "
+              f"json.dump({RESULT!r}, open(sys.argv[1] + '/' + sys.argv[2], 'w'))")
+    monkeypatch.setattr(vllm_bench, "bench_serve_argv", lambda spec, d, f: [sys.executable, "-c", script, str(d), f])
+    reads = iter([0.0, 1.0, 3.5, 9.0])  # at the start of the process, at the start mark, at the end mark
+    r = vllm_bench.run_level(LevelSpec("http://x", "m", "/m", 8, 32, 32, 64), tmp_path,
+                             lambda: {"gateway": next(reads)}, "t")
+    assert r.cpu_s == {"gateway": 2.5} and r.cpu_window == "measured requests"
+    assert r.output_tokens == 2048
+    assert (tmp_path / "t.bench.log").read_text().startswith("warming up")
+
+
+def test_run_level_without_markers_measures_the_whole_process(tmp_path, monkeypatch):
+    script = f"import json, sys; json.dump({RESULT!r}, open(sys.argv[1] + '/' + sys.argv[2], 'w'))"
+    monkeypatch.setattr(vllm_bench, "bench_serve_argv", lambda spec, d, f: [sys.executable, "-c", script, str(d), f])
+    reads = iter([1.0, 4.0])
+    r = vllm_bench.run_level(LevelSpec("http://x", "m", "/m", 1, 1, 1, 1), tmp_path, lambda: {"g": next(reads)}, "t")
+    assert r.cpu_s == {"g": 3.0} and r.cpu_window == "whole bench process"
+
+
+def test_run_level_reports_a_failed_bench(tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm_bench, "bench_serve_argv", lambda spec, d, f: [sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match="vllm bench serve failed"):
+        vllm_bench.run_level(LevelSpec("http://x", "m", "/m", 1, 1, 1, 1), tmp_path, dict, "t")
+
+
+def test_router_argv_round_robin_one_worker_own_metrics_port():
+    vr = router_argv("vllm-router", 8123, 8124, 8125)
+    smg = router_argv("smg", 8123, 8124, 8125)
+    assert vr[0].endswith("vllm-router") and smg[0].endswith("smg") and smg[1] == "launch"
+    for argv in (vr, smg):
+        assert (_flag(argv, "--port"), _flag(argv, "--worker-urls"), _flag(argv, "--policy"),
+                _flag(argv, "--prometheus-port")) == ("8123", "http://127.0.0.1:8124", "round_robin", "8125")
+    with pytest.raises(ValueError):
+        router_argv("nginx", 1, 2, 3)
+    assert missing_binaries(["direct", "tandem"]) == []
+
+
+def test_rounds_rotate_the_order_and_levels_get_enough_prompts():
+    assert [round_order(["a", "b", "c"], r) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert [num_prompts(0, c) for c in (1, 8, 32)] == [32, 32, 128]
+    assert num_prompts(10, 32) == 10
+
+
+def _level(tok_s: float, ttft: float, gateway: float | None = None, serving: float = 1.0, failed: int = 0):
+    cpu = {"serving": serving, **({"gateway": gateway} if gateway is not None else {})}
+    return LevelResult(concurrency=1, completed=100, failed=failed, duration_s=10, output_tokens=1000,
+                       output_tok_s=tok_s, ttft_p50_ms=ttft, ttft_p99_ms=2 * ttft, itl_p50_ms=4.0,
+                       tpot_p50_ms=4.0, cpu_s=cpu)
+
+
+def test_ratios_are_medians_of_per_round_ratios_to_direct():
+    results = {"direct": [{1: _level(100, 10)}, {1: _level(200, 10)}],
+               "tandem": [{1: _level(90, 15, gateway=0.5)}, {1: _level(200, 11, gateway=0.7, failed=2)}]}
+    s = summarize(results, [1])
+    assert s["tandem"][1]["out tok/s"] == (145, pytest.approx(0.95))  # rounds 0.9x and 1.0x
+    assert s["direct"][1]["out tok/s"] == (150, None)
+    assert s["tandem"][1]["TTFT p50 ms"] == (13, pytest.approx(1.3))
+    assert s["tandem"][1]["gateway CPU ms/request"] == (pytest.approx(6.0), None)  # 0.6 s / 100 requests
+    assert s["tandem"][1]["gateway CPU ms/1k tok"] == (pytest.approx(600.0), None)
+    assert s["tandem"][1]["gateway+serving CPU ms/1k tok"] == (pytest.approx(1600.0), pytest.approx(1.6))
+    assert s["direct"][1]["gateway CPU ms/1k tok"] == (None, None)
+    assert s["tandem"][1]["failed"] == 2
+
+    table = format_table(results, [1])
+    assert table.splitlines()[0] == "| c | metric | direct | tandem |"
+    assert "| 1 | out tok/s | 150 | 145 (0.95x) |" in table
+    assert "| 1 | gateway CPU ms/request | - | 6.00 |" in table
+    assert "| 1 | failed requests | tandem: 2 |" in table
 
 
 def test_help_explains_every_command():
@@ -36,6 +148,21 @@ def test_help_explains_every_command():
     text = parser.format_help()
     for cmd in ("serve", "build-tiny-models", "bench"):
         assert cmd in text
+
+
+def test_procstat_sees_this_process_and_its_children():
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", "procstat-marker"],
+                             stdin=subprocess.PIPE)
+    try:
+        assert child.pid in procstat.tree(os.getpid())
+        assert procstat.find(os.getpid(), sys.executable + " -c") == child.pid
+        assert "procstat-marker" in procstat.cmdline(child.pid)
+    finally:
+        child.communicate(b"")
+    t0 = procstat.cpu_s(os.getpid())
+    sum(i * i for i in range(2_000_000))
+    assert procstat.cpu_s(os.getpid()) > t0
+    assert procstat.cpu_s(2**22 + 12345) == 0.0 and procstat.find(2**22 + 12345, "x") is None
 
 
 # -- the diffusion benchmark's helpers ----------------------------------------------------------
