@@ -19,11 +19,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.limits import count, estimate_tokens, header, show
+from gateway.intake import Intake
+from gateway.limits import header, show
 from tandem_core.config import ApiKey, AuthConfig
 from tandem_core.errors import LimitExceeded, RateLimited, TandemError, Unauthenticated
 
@@ -185,16 +185,16 @@ class RateLimiter:
             raise RateLimited(math.ceil(wait), f"rate limit reached for API key {key_name!r}: "
                               f"{bucket.capacity} requests per minute; retry in {math.ceil(wait)} s")
 
-    def check_tokens(self, key_name: str | None, body: Any, generates: bool = True) -> None:
-        """Called by a generation route once its JSON body is parsed (after ``check_limits``),
-        once per request that passed AuthMiddleware. Takes ``estimate_tokens(body)`` from the
-        key's bucket, or raises RateLimited (429), or LimitExceeded (400) when the request alone
-        needs more than a minute's worth. A refused request also gets back the request that
-        check_request took: it costs nothing."""
+    def check_tokens(self, key_name: str | None, intake: Intake) -> None:
+        """Called by a generation route once its body is taken in (after ``check_limits``), once
+        per request that passed AuthMiddleware. Takes the intake's token estimate
+        (``Intake.tokens``, as ``estimate_tokens``) from the key's bucket, or raises RateLimited
+        (429), or LimitExceeded (400) when the request alone needs more than a minute's worth. A
+        refused request also gets back the request that check_request took: it costs nothing."""
         bucket = self._tokens.get(key_name) if key_name is not None else None
         if bucket is None:
             return
-        need = estimate_tokens(body, generates)
+        need = intake.tokens
         wait = bucket.try_take(need, self.clock())
         if not wait:
             return
@@ -202,10 +202,8 @@ class RateLimiter:
             self._requests[key_name].give_back(1)
         limit = f"{int(bucket.capacity)} tokens per minute"
         if math.isinf(wait):
-            fields = ("max_completion_tokens", "max_tokens") if isinstance(body, dict) else ()
-            param = next((p for p in fields if count(body.get(p))), None)
             raise LimitExceeded(f"this request may use about {show(need)} tokens (prompt + max output tokens x n), "
-                                f"more than API key {key_name!r} may use: {limit}", param)
+                                f"more than API key {key_name!r} may use: {limit}", intake.output_param)
         raise RateLimited(math.ceil(wait), f"rate limit reached for API key {key_name!r}: {limit}; this request "
                           f"may use about {need} tokens; retry in {math.ceil(wait)} s")
 

@@ -6,22 +6,21 @@ fails before the first byte, and answer: one JSON body, or a stream of SSE event
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gateway.intake import Intake, parse_json, take_in
 from gateway.limits import check_limits
 from gateway.metrics import now
 from gateway.replicas import Replica
 from gateway.router import ModelPool, Slot, request_cost
 from gateway.service import Service
 from gateway.streaming import ClientGone, event_body, sse_body, until_disconnect
-from tandem_core.config import ModelConfig
 from tandem_core.errors import ErrorKind, TandemError, invalid, request_timeout
-from tandem_core.protocol import DONE_ROUTES, GENERATING_ROUTES, route_not_served
+from tandem_core.protocol import DONE_ROUTES, route_not_served
 
 logger = logging.getLogger(__name__)
 
@@ -36,33 +35,20 @@ def key_name_of(request: Request) -> str:
     return f", key {name}" if name else ""
 
 
-async def _read_json(request: Request, max_depth: int) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise invalid(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise invalid(f"the request body is nested deeper than {max_depth} levels") from None
-    if not isinstance(body, dict):
-        raise invalid(f"the request body must be a JSON object, got {type(body).__name__}")
-    if _depth_over(body, max_depth):
-        raise invalid(f"the request body is nested deeper than {max_depth} levels")
-    return body
-
-
-def _depth_over(value: object, limit: int) -> bool:
-    """Whether ``value`` nests deeper than ``limit`` (iterative: no recursion to exhaust)."""
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if depth > limit:
-            return True
-        if isinstance(v, dict):
-            stack.extend((c, depth + 1) for c in v.values() if isinstance(c, (dict, list)))
-        elif isinstance(v, list):
-            stack.extend((c, depth + 1) for c in v if isinstance(c, (dict, list)))
-    return False
+async def take_in_request(request: Request, service: Service, route: str, body: dict | None = None) -> Intake:
+    """Read the request's body once (``gateway.intake``): 400 for bad JSON, a body that is not
+    an object or one nested deeper than ``limits.max_json_depth``. ``body``: already built by
+    the gateway (routes that take no JSON body), not checked for depth."""
+    config = service.config
+    max_depth = None
+    if body is None:
+        max_depth = config.limits.max_json_depth
+        body = parse_json(await request.body(), max_depth)
+    model = config.model(body.get("model"))
+    affinity = model.session_affinity if model is not None else None
+    return take_in(body, route, max_depth=max_depth, headers=request.headers,
+                   session_header=affinity.header if affinity is not None and affinity.enabled else None,
+                   timeout_at=_timeout_at(config.limits.request_timeout_s))
 
 
 async def generate(request: Request, service: Service, route: str, body: dict | None = None,
@@ -72,21 +58,19 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
     t0 = now()
     metrics = service.metrics
     config = service.config
-    if body is None:
-        body = await _read_json(request, config.limits.max_json_depth)
-    model = metrics.model_label(body.get("model"))
+    intake = await take_in_request(request, service, route, body)
+    body, timeout_at = intake.body, intake.timeout_at
+    model = metrics.model_label(intake.model)
     request.state.tandem_model = model
     if service.draining:
         raise TandemError(ErrorKind.SHUTTING_DOWN, "the server is shutting down; retry on another instance",
                           retry_after=1)
-    pool = service.router.pool(body.get("model"))
+    pool = service.router.pool(intake.model)
     _check_route(pool, route)
-    check_limits(body, config.limits_for(pool.name), route)
-    generates = route in GENERATING_ROUTES
-    request.app.state.limiter.check_tokens(getattr(request.state, "tandem_key_name", None), body, generates)
-    timeout_at = _timeout_at(config.limits.request_timeout_s)
-    cost = request_cost(pool.kind, body, generates)
-    key = _session_key(request, body, config.model(pool.name))
+    check_limits(intake, config.limits_for(pool.name))
+    request.app.state.limiter.check_tokens(getattr(request.state, "tandem_key_name", None), intake)
+    cost = request_cost(pool.kind, intake)
+    key = intake.session_key
     if pin is None and route == "responses":
         pin = replica_of_response(service, body.get("previous_response_id"), pool.name)
     others = [r.id for r in pool.replicas if pin is not None and r is not pin]
@@ -232,14 +216,6 @@ def _retry(err: TandemError, pool: ModelPool, slot: Slot, tried: list[str]) -> b
         return False
     logger.warning("replica %s failed before answering; retrying on another replica", slot.replica.id)
     return True
-
-
-def _session_key(request: Request, body: dict, model: ModelConfig | None) -> str | None:
-    """The session-affinity key: the configured header, else the body's ``user``."""
-    if model is None or not model.session_affinity.enabled:
-        return None
-    key = request.headers.get(model.session_affinity.header) or body.get("user")
-    return key if isinstance(key, str) and key else None
 
 
 DEADLINE_HEADER = "x-tandem-queue-deadline-ms"

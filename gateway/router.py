@@ -26,21 +26,21 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from gateway.limits import estimate_tokens
+from gateway.intake import Intake
 from gateway.replicas import Replica, ReplicaState
 from tandem_core.errors import ErrorKind, TandemError
 
 RATE_WINDOW_S = 30.0
 
 
-def request_cost(kind: str, body: dict, generates: bool = True) -> float:
+def request_cost(kind: str, intake: Intake) -> float:
     """What one request weighs on a replica. Autoregressive: the tokens it may hold (the same
-    estimate the per-key token limit uses). Diffusion: the batch rows it takes (``n``). Never
-    fails: validation is the engine's job."""
+    estimate the per-key token limit uses, ``Intake.tokens``). Diffusion: the batch rows it
+    takes (``n``). Never fails: validation is the engine's job."""
     if kind == "diffusion":
-        n = body.get("n")
+        n = intake.body.get("n")
         return float(n if isinstance(n, int) and 1 <= n <= 128 else 1)
-    return float(estimate_tokens(body, generates))
+    return float(intake.tokens)
 
 
 @dataclass(eq=False)

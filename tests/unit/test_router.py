@@ -4,6 +4,7 @@ from collections import Counter
 
 import pytest
 
+from gateway.intake import take_in
 from gateway.replicas import Replica, ReplicaState
 from gateway.router import ModelPool, Router, request_cost
 from tandem_core.errors import ErrorKind, TandemError
@@ -64,13 +65,17 @@ def test_diffusion_goes_to_the_replica_with_the_most_free_batch_rows():
 
 
 def test_request_cost():
-    assert request_cost("diffusion", {"n": 3, "max_tokens": 999}) == 3
-    assert request_cost("autoregressive", {"prompt": "x" * 400, "max_tokens": 50}) == 150
-    assert request_cost("autoregressive", {"messages": [{"role": "user", "content": "y" * 40}], "n": 2,
-                                            "max_completion_tokens": 5}) == 20
-    assert request_cost("autoregressive", {"messages": [{"content": [{"type": "text", "text": "z" * 8}]}]}) == 258
+    def cost(kind, body):
+        return request_cost(kind, take_in(body, "chat"))
+
+    assert cost("diffusion", {"n": 3, "max_tokens": 999}) == 3
+    assert cost("autoregressive", {"prompt": "x" * 400, "max_tokens": 50}) == 150
+    assert cost("autoregressive", {"messages": [{"role": "user", "content": "y" * 40}], "n": 2,
+                                    "max_completion_tokens": 5}) == 20
+    assert cost("autoregressive", {"messages": [{"content": [{"type": "text", "text": "z" * 8}]}]}) == 258
     for junk in ({"messages": 5, "n": "x", "max_tokens": -3}, {"prompt": [[[[[[["deep"]]]]]]]}, {}):
-        assert request_cost("autoregressive", junk) > 0  # never raises on garbage
+        assert cost("autoregressive", junk) > 0  # never raises on garbage
+    assert request_cost("autoregressive", take_in({"prompt": "x" * 40}, "tokenize")) == 10  # no output
 
 
 def test_session_affinity_sticks_and_spills_over_under_load():

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from gateway import security
 from gateway.auth import AuthMiddleware, KeyStore, RateLimiter, ResolvedKey, TokenBucket, resolve_keys
+from gateway.intake import parse_json, take_in
 from gateway.limits import BodySizeLimit, check_limits, estimate_tokens
 from gateway.security import install_security
 from tandem_core.config import ApiKey, AuthConfig, CorsConfig, LimitsConfig
@@ -38,7 +39,7 @@ class FakeClock:
 def make_app(auth: AuthConfig | None = None, limits: LimitsConfig | None = None, cors: CorsConfig | None = None,
              clock: FakeClock | None = None, on_reject=None, reached: list | None = None) -> FastAPI:
     """A tiny app wired like tandem's: TandemError handler, a catch-all Exception handler, a
-    chat route that parses JSON and calls check_limits then check_tokens."""
+    chat route that takes its JSON body in and calls check_limits then check_tokens."""
     auth = auth if auth is not None else AuthConfig(api_keys=[ApiKey(key=KEY, name="alice"), ApiKey(key=OTHER)])
     limits = limits or LimitsConfig()
     app = FastAPI()
@@ -57,10 +58,10 @@ def make_app(auth: AuthConfig | None = None, limits: LimitsConfig | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = json.loads(await request.body())
+        intake = take_in(json.loads(await request.body()), "chat")
         name = getattr(request.state, "tandem_key_name", None)
-        check_limits(body, limits, "chat")
-        limiter.check_tokens(name, body)
+        check_limits(intake, limits)
+        limiter.check_tokens(name, intake)
         if reached is not None:
             reached.append(name)
         return {"ok": True, "key_name": name}
@@ -346,32 +347,32 @@ def test_tokens_per_minute_and_a_refusal_costs_nothing():
     body = {"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 300}  # 100 + 300 = 400
     for _ in range(2):
         rl.check_request("a")
-        rl.check_tokens("a", body)
+        rl.check_tokens("a", take_in(body, "chat"))
     rl.check_request("a")
     requests_left, tokens_left = rl._requests["a"].tokens, rl._tokens["a"].tokens
     with pytest.raises(RateLimited) as e:
-        rl.check_tokens("a", body)  # 200 left, 400 needed at 1000/60 per s: 12 s
+        rl.check_tokens("a", take_in(body, "chat"))  # 200 left, 400 needed at 1000/60 per s: 12 s
     assert e.value.retry_after == 12 and "1000 tokens per minute" in e.value.message
     assert rl._tokens["a"].tokens == tokens_left  # took nothing
     assert rl._requests["a"].tokens == requests_left + 1  # and gave the request back
     clock.advance(12)
-    rl.check_tokens("a", body)
-    rl.check_tokens("free", body)
-    rl.check_tokens(None, body)
+    rl.check_tokens("a", take_in(body, "chat"))
+    rl.check_tokens("free", take_in(body, "chat"))
+    rl.check_tokens(None, take_in(body, "chat"))
 
 
 def test_a_request_bigger_than_a_minute_of_tokens_is_a_400_not_a_429():
     rl = limited(tpm=1000)
     with pytest.raises(LimitExceeded) as e:
-        rl.check_tokens("a", {"prompt": "x", "max_tokens": 5000})
+        rl.check_tokens("a", take_in({"prompt": "x", "max_tokens": 5000}, "chat"))
     assert e.value.status == 400 and e.value.param == "max_tokens"
     assert "about 5001 tokens" in e.value.message and "1000 tokens per minute" in e.value.message
     with pytest.raises(LimitExceeded) as e:
-        rl.check_tokens("a", {"prompt": "x" * 8000})
+        rl.check_tokens("a", take_in({"prompt": "x" * 8000}, "chat"))
     assert e.value.param is None
     with pytest.raises(LimitExceeded):
-        rl.check_tokens("a", {"max_tokens": 10**5000, "n": 10**5000})  # huge numbers neither overflow nor print
-    rl.check_tokens("a", {"prompt": "x", "max_tokens": 10})  # the failures took nothing
+        rl.check_tokens("a", take_in({"max_tokens": 10**5000, "n": 10**5000}, "chat"))  # huge numbers neither overflow nor print
+    rl.check_tokens("a", take_in({"prompt": "x", "max_tokens": 10}, "chat"))  # the failures took nothing
 
 
 # ---------------------------------------------------------------- check_limits
@@ -397,7 +398,7 @@ SMALL = LimitsConfig(max_messages=3, max_n=2, max_tokens_ceiling=100, max_prompt
 ])
 def test_check_limits_names_the_field_and_the_limit(route, body, param, message):
     with pytest.raises(LimitExceeded) as e:
-        check_limits(body, SMALL, route)
+        check_limits(take_in(body, route), SMALL)
     assert (e.value.param, e.value.message, e.value.status) == (param, message, 400)
     assert e.value.envelope() == {"error": {"message": message, "type": "invalid_request_error", "param": param,
                                             "code": 400}}
@@ -414,7 +415,7 @@ def test_check_limits_names_the_field_and_the_limit(route, body, param, message)
     ("chat", {"n": float("nan")}),
 ])
 def test_check_limits_passes_what_is_within_limits_or_not_its_business(route, body):
-    check_limits(body, SMALL, route)
+    check_limits(take_in(body, route), SMALL)
 
 
 @pytest.mark.parametrize("body", [
@@ -427,9 +428,13 @@ def test_check_limits_passes_what_is_within_limits_or_not_its_business(route, bo
 ])
 @pytest.mark.parametrize("route", ["chat", "completions", "other"])
 def test_check_limits_survives_any_shape(body, route):
-    check_limits(body, LimitsConfig(), route)
+    if not isinstance(body, dict):  # refused before the limits are checked
+        with pytest.raises(TandemError, match="must be a JSON object"):
+            parse_json(json.dumps(body).encode(), 32)
+        return
+    check_limits(take_in(body, route), LimitsConfig())
     try:
-        check_limits(body, SMALL, route)
+        check_limits(take_in(body, route), SMALL)
     except LimitExceeded:
         pass  # the only exception it may raise
 
@@ -437,15 +442,16 @@ def test_check_limits_survives_any_shape(body, route):
 def test_check_limits_with_every_limit_off_passes_anything():
     off = LimitsConfig(max_body_bytes=None, max_messages=None, max_n=None, max_tokens_ceiling=None,
                        max_prompt_chars=None)
-    check_limits({"messages": [{"content": "a" * 10**6}] * 5000, "n": 10**9, "max_tokens": 10**9}, off, "chat")
-    check_limits({"prompt": ["a"] * 5000}, off, "completions")
+    check_limits(take_in({"messages": [{"content": "a" * 10**6}] * 5000, "n": 10**9, "max_tokens": 10**9}, "chat"),
+                 off)
+    check_limits(take_in({"prompt": ["a"] * 5000}, "completions"), off)
 
 
 def test_route_other_checks_both_fields():
     with pytest.raises(LimitExceeded, match="prompt"):
-        check_limits({"prompt": "a" * 11}, SMALL, "other")
+        check_limits(take_in({"prompt": "a" * 11}, "other"), SMALL)
     with pytest.raises(LimitExceeded, match="messages"):
-        check_limits({"messages": [{}] * 4}, SMALL, "other")
+        check_limits(take_in({"messages": [{}] * 4}, "other"), SMALL)
 
 
 # ---------------------------------------------------------------- errors
