@@ -318,10 +318,47 @@ def test_the_gateway_walks_a_body_once_before_it_takes_a_slot(monkeypatch):
 
     monkeypatch.setattr(generate_module, "parse_json", counting_parse)
     monkeypatch.setattr(generate_module, "_acquire", counting_acquire)
-    extra = {"model_fields": {"session_affinity": {"enabled": True}}}
+    key = "sk-tandem-intake-0123456789"
+    extra = {"model_fields": {"session_affinity": {"enabled": True}},
+             "auth": {"api_keys": [{"key": key, "tokens_per_minute": 100_000}]}}
     with fake_gateway({"num_tokens": 2}, extra=extra) as (url, _, _):
         body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}] * 50, "max_tokens": 2,
                 "user": "u"}
-        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30, headers={"authorization": f"Bearer {key}"})
         assert r.status_code == 200, r.text
-    assert seen == [1]  # the intake's walk; limits, rate limit, routing and affinity read its record
+    # The intake's walk; the depth and input limits, the token rate limit, the cost for routing and
+    # the session key read its record (before: 4 walks of these messages).
+    assert seen == [1]
+
+
+def test_the_gateway_keeps_its_error_order():
+    """Each body breaks the rule it is named for and every rule checked after it: the first
+    rule in the order (JSON, depth, draining, model, limits, token rate) answers."""
+    key = "sk-tandem-intake-0123456789"
+    extra = {"auth": {"api_keys": [{"key": key, "name": "k", "tokens_per_minute": 1000}]},
+             "limits": {"max_messages": 4, "max_json_depth": 8}}
+    many = [{"role": "user", "content": "x"}] * 5
+    deep = {"tools": [[[[[[[[1]]]]]]]]}
+    with fake_gateway({"num_tokens": 2}, extra=extra) as (url, service, _):
+        def post(body):
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = httpx.post(url + "/v1/chat/completions", content=content, timeout=30,
+                           headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+            return r.status_code, r.json()["error"]["message"] if r.status_code != 200 else ""
+
+        assert post(b"{bad")[0] == 400 and "not valid JSON" in post(b"{bad")[1]
+        assert post({"model": "nope", "messages": many, "max_tokens": 5000, **deep}) == (
+            400, "the request body is nested deeper than 8 levels")
+        service.draining = True
+        try:
+            assert post({"model": "nope", "messages": many})[0] == 503
+        finally:
+            service.draining = False
+        assert post({"model": "nope", "messages": many, "max_tokens": 5000})[0] == 404
+        assert post({"model": "fake", "messages": many, "max_tokens": 5000}) == (
+            400, "messages: 5 messages exceed the limit of 4")
+        status, message = post({"model": "fake", "messages": many[:1], "max_tokens": 5000})
+        assert status == 400 and "about 5001 tokens" in message
+        assert post({"model": "fake", "messages": many[:1], "max_tokens": 600})[0] == 200
+        status, message = post({"model": "fake", "messages": many[:1], "max_tokens": 600})
+        assert status == 429 and "1000 tokens per minute" in message
