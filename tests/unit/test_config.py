@@ -86,6 +86,11 @@ def test_a_bad_diffusion_engine_arg_names_file_and_field(tmp_path, engine_args, 
     assert str(path) in msg and field in msg and reason in msg, msg
 
 
+def test_autoregressive_engine_args_pass_through_to_vllm():
+    cfg = parse_config({"models": [{**GOOD["models"][0], "engine_args": {"max_model_len": 512, "anything": 1}}]})
+    assert cfg.models[0].engine_args == {"max_model_len": 512, "anything": 1}  # vLLM checks its own at start
+
+
 def test_diffusion_engine_args_defaults_are_the_engines():
     from diffusion_plugin.engine_args import DiffusionEngineArgs
 
