@@ -282,3 +282,19 @@ def test_code_version_names_a_commit():
 
     v = code_version()
     assert v and " " not in v
+
+
+def test_hoptrace_takes_each_hops_first_time_in_its_request_window():
+    from tandem_tools.hoptrace import first_in_windows, format_hops, hop_table
+
+    events = [(5, "g_asgi_in"), (10, "g_asgi_in"), (12, "g_body"), (13, "g_body"), (30, "g_asgi_in"), (34, "g_body")]
+    per_request = first_in_windows(events, [(10, 20), (30, 40)])
+    assert per_request == [{"g_asgi_in": 0, "g_body": 2}, {"g_asgi_in": 0, "g_body": 4}]
+    per_request = [{"g_asgi_in": 1_000_000, "g_body": 3_000_000, "c_first": 10_000_000},
+                   {"g_asgi_in": 1_000_000, "g_body": 5_000_000, "c_first": 12_000_000}]
+    rows = hop_table(per_request)
+    assert [(r[0], r[2], r[3]) for r in rows] == [("g_asgi_in", 1.0, 1.0), ("g_body", 4.0, 3.0),
+                                                  ("c_first", 11.0, 7.0)]
+    table = format_hops({"tandem": rows, "direct": [("c_first", "", 9.0, 9.0)]})
+    assert "| body intake (read + JSON) | 3.00 (4.00) | - |" in table
+    assert "| SSE out (-> client's first event) | 7.00 (11.00) | 9.00 (9.00) |" in table

@@ -1,0 +1,303 @@
+"""Where a streaming request's first token spends its time: a timestamp at every hop, in every
+process (the gateway, the replica actor, `vllm serve`), for sequential requests (c=1).
+
+``python -m tandem_tools.hoptrace [--targets direct,tandem] [--requests 40]`` starts each server
+with a ``sitecustomize`` on its PYTHONPATH that, in every Python process it starts (Ray's workers
+inherit the environment), wraps a few functions as their modules load and appends
+``monotonic_ns event pid`` lines to one file (CLOCK_MONOTONIC is one clock for all processes of
+a host). Requests are sequential, so an event belongs to the request whose client window holds
+it; no id needs to cross a process. It prints the median time from the client's send to each
+hop's first occurrence, and the gap to the hop before. A diagnostic: nothing imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.abc
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ENV = "TANDEM_HOPTRACE_FILE"
+SITE = ('import os\nif os.environ.get("TANDEM_HOPTRACE_FILE"):\n    try:\n'
+        '        import tandem_tools.hoptrace as h\n        h.install()\n    except Exception as e:\n'
+        '        print("hoptrace:", e)\n')
+
+# The hops in request order: (event, what the gap before it is).
+HOPS = [
+    ("g_asgi_in", "HTTP in (client send -> gateway ASGI app)"),
+    ("g_body", "body intake (read + JSON)"),
+    ("g_acquired", "checks + routing/acquire"),
+    ("g_submit_call", "to the call into the replica"),
+    ("a_submit_in", "Ray actor call: gateway -> actor"),
+    ("v_chat_in", "actor -> vLLM serving layer"),
+    ("v_chat_ret", "vLLM serving: chat template, tokenize, request built"),
+    ("v_add_in", "to AsyncLLM.add_request (its stream starts)"),
+    ("v_add_out", "add_request: input processing, sent to the engine core"),
+    ("v_output", "engine core: prefill, first token, output processing"),
+    ("v_chunk", "vLLM serving: first SSE chunk"),
+    ("a_put", "into the channel outbox"),
+    ("a_yield", "outbox -> Ray stream item"),
+    ("g_feed", "Ray stream item: actor -> gateway (Demux)"),
+    ("g_first_item", "Demux queue -> request handler"),
+    ("g_send_body", "StreamingResponse: first body message"),
+    ("c_first", "SSE out (-> client's first event)"),
+]
+_fd: int | None = None
+
+
+def rec(event: str) -> None:
+    os.write(_fd, f"{time.monotonic_ns()} {event} {os.getpid()}\n".encode())
+
+
+# -- wrappers -----------------------------------------------------------------------------------
+def _around(fn, before: str | None, after: str | None):
+    @functools.wraps(fn)
+    async def wrapper(*a, **k):
+        if before:
+            rec(before)
+        try:
+            return await fn(*a, **k)
+        finally:
+            if after:
+                rec(after)
+    return wrapper
+
+
+def _each_yield(fn, event: str):
+    @functools.wraps(fn)
+    async def wrapper(*a, **k):
+        async for x in fn(*a, **k):
+            rec(event)
+            yield x
+    return wrapper
+
+
+def _patch_gateway_app(m) -> None:
+    orig = m.MetricsMiddleware.__call__
+
+    async def call(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await orig(self, scope, receive, send)
+        rec("g_asgi_in")
+
+        async def timed_send(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                rec("g_send_body")
+            await send(message)
+        return await orig(self, scope, receive, timed_send)
+    m.MetricsMiddleware.__call__ = call
+
+
+def _patch_generate(m) -> None:
+    m._read_json = _around(m._read_json, None, "g_body")
+    m._acquire = _around(m._acquire, None, "g_acquired")
+
+
+def _patch_streaming(m) -> None:
+    m.until_disconnect = _around(m.until_disconnect, None, "g_first_item")
+
+
+def _patch_handles(m) -> None:
+    orig = m.RayReplicaHandle.call
+
+    async def call(self, method, *args):
+        if method != "submit":
+            return await orig(self, method, *args)
+        rec("g_submit_call")
+        try:
+            return await orig(self, method, *args)
+        finally:
+            rec("g_submit_ack")
+    m.RayReplicaHandle.call = call
+
+
+def _patch_channel(m) -> None:
+    feed, put = m.Demux.feed, m.Outbox.put
+
+    def timed_feed(self, batch):
+        rec("g_feed")
+        return feed(self, batch)
+
+    def timed_put(self, request_id, item):
+        if item is not None:
+            rec("a_put")
+        return put(self, request_id, item)
+    m.Demux.feed, m.Outbox.put = timed_feed, timed_put
+    m.Outbox.stream = _each_yield(m.Outbox.stream, "a_yield")
+
+
+def _patch_actor(m) -> None:
+    m.EngineActor.submit = _around(m.EngineActor.submit, "a_submit_in", "a_submit_out")
+
+
+def _patch_vllm_chat(m) -> None:
+    cls = m.OpenAIServingChat
+    cls.create_chat_completion = _around(cls.create_chat_completion, "v_chat_in", "v_chat_ret")
+    cls.chat_completion_stream_generator = _each_yield(cls.chat_completion_stream_generator, "v_chunk")
+
+
+def _patch_async_llm(m) -> None:
+    m.AsyncLLM.add_request = _around(m.AsyncLLM.add_request, "v_add_in", "v_add_out")
+    m.AsyncLLM.generate = _each_yield(m.AsyncLLM.generate, "v_output")
+
+
+PATCHES = {
+    "gateway.app": _patch_gateway_app,
+    "gateway.generate": _patch_generate,
+    "gateway.streaming": _patch_streaming,
+    "workers.transport.handles": _patch_handles,
+    "workers.transport.channel": _patch_channel,
+    "workers.actor": _patch_actor,
+    "vllm.entrypoints.openai.chat_completion.serving": _patch_vllm_chat,
+    "vllm.v1.engine.async_llm": _patch_async_llm,
+}
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Patches a module of ``PATCHES`` right after it runs (before anyone imports its names)."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in PATCHES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def patched(module):
+            exec_module(module)
+            PATCHES[name](module)
+        spec.loader.exec_module = patched
+        return spec
+
+
+def install() -> None:
+    global _fd
+    _fd = os.open(os.environ[ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    sys.meta_path.insert(0, _Finder())
+
+
+# -- analysis (pure) ----------------------------------------------------------------------------
+def first_in_windows(events: list[tuple[int, str]], windows: list[tuple[int, int]]) -> list[dict[str, int]]:
+    """For each client window [start, end], the first time of every event inside it, relative
+    to the start (ns)."""
+    out = []
+    for start, end in windows:
+        firsts: dict[str, int] = {}
+        for t, name in events:
+            if start <= t <= end and name not in firsts:
+                firsts[name] = t - start
+        out.append(firsts)
+    return out
+
+
+def hop_table(per_request: list[dict[str, int]], hops=HOPS) -> list[tuple[str, str, float, float]]:
+    """(event, description, median ms from send, median ms since the previous hop present)."""
+    rows = []
+    prev = None
+    for event, what in hops:
+        at = [r[event] for r in per_request if event in r]
+        if not at:
+            continue
+        gaps = [r[event] - r[prev] for r in per_request if event in r and prev in r] if prev else at
+        rows.append((event, what, statistics.median(at) / 1e6, statistics.median(gaps) / 1e6 if gaps else 0.0))
+        prev = event
+    return rows
+
+
+def format_hops(tables: dict[str, list[tuple[str, str, float, float]]]) -> str:
+    names = list(tables)
+    lines = ["| hop | " + " | ".join(f"{n}: gap ms (at ms)" for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    for event, what in HOPS:
+        cells = []
+        for n in names:
+            row = next((r for r in tables[n] if r[0] == event), None)
+            cells.append(f"{row[3]:.2f} ({row[2]:.2f})" if row else "-")
+        if any(c != "-" for c in cells):
+            lines.append(f"| {what} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# -- the run ------------------------------------------------------------------------------------
+def _client(port: int, n: int, max_tokens: int) -> list[tuple[int, int, int]]:
+    """n sequential streaming chats: (send, first event with choices, end) in monotonic ns."""
+    import json
+
+    import httpx
+
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "the quick brown fox " * 6}],
+            "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0}
+    out = []
+    with httpx.Client(timeout=60) as client:
+        for i in range(n + 3):
+            t0 = time.monotonic_ns()
+            first = None
+            with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if first is None and line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                        first = time.monotonic_ns()
+            if i >= 3:  # warm-up
+                out.append((t0, first or time.monotonic_ns(), time.monotonic_ns()))
+            time.sleep(0.05)  # let the previous request's tail events land before the next window
+    return out
+
+
+def run(target: str, port: int, n: int, max_tokens: int, workdir: Path) -> list[dict[str, int]]:
+    from tandem_tools import bench
+    from tandem_tools.servers import Server
+    from workers import tiny_models
+
+    site = workdir / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITE)
+    trace = workdir / f"{target}.trace"
+    trace.unlink(missing_ok=True)
+    repo = str(Path(__file__).resolve().parent.parent)
+    args = argparse.Namespace(port=port)
+    model_path = str(tiny_models.build(tiny_models.TINY_LLAMA))
+    setup = bench._setups(args, model_path, workdir)[target]
+    server: Server = setup.servers[-1]
+    server.env = {**server.env, ENV: str(trace),
+                  "PYTHONPATH": os.pathsep.join([str(site), repo, os.environ.get("PYTHONPATH", "")])}
+    with server:
+        server.wait_ready(600)
+        windows = _client(port, n, max_tokens)
+    events = []
+    for line in trace.read_text().splitlines():
+        t, name, _pid = line.split()
+        events.append((int(t), name))
+    events.sort()
+    per_request = first_in_windows(events, [(s, e) for s, _, e in windows])
+    for r, (s, f, _) in zip(per_request, windows, strict=True):
+        r["c_first"] = f - s
+    return per_request
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tandem_tools.hoptrace", description=__doc__.split("\n\n")[0])
+    p.add_argument("--targets", default="direct,tandem")
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--port", type=int, default=8131)
+    args = p.parse_args(argv)
+    tables = {}
+    with tempfile.TemporaryDirectory(prefix="tandem-hoptrace-") as tmp:
+        for target in args.targets.split(","):
+            tables[target] = hop_table(run(target, args.port, args.requests, args.max_tokens, Path(tmp)))
+    print(format_hops(tables))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
