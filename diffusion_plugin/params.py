@@ -95,9 +95,11 @@ class DiffusionKnobs(BaseModel):
                                             "unchanged (with confidence_threshold met) to commit a block early.")
     confidence_threshold: float | None = Field(None, ge=0, description="A block commits early only while its "
                                                "mean entropy is below this.")
-    t_min: float | None = Field(None, gt=0, le=100, description="Sampling temperature at the block's last step "
+    # Below GREEDY_T, logits / t overflow float32 (the sampler would return garbage): such a
+    # request is refused; ``temperature`` itself is floored there (near-greedy), as vLLM floors it.
+    t_min: float | None = Field(None, ge=GREEDY_T, le=100, description="Sampling temperature at the block's last step "
                                 "(the schedule runs from t_max down to t_min); at most t_max.")
-    t_max: float | None = Field(None, gt=0, le=100, description="Sampling temperature at the block's first step.")
+    t_max: float | None = Field(None, ge=GREEDY_T, le=100, description="Sampling temperature at the block's first step.")
 
 
 def knobs_schema() -> dict[str, Any]:
@@ -239,7 +241,8 @@ def resolve(req: BaseModel, defaults: dict[str, Any]) -> dict[str, Any]:
             merged["t_min"] = merged["t_max"] = GREEDY_T
         else:  # scale the model's schedule so that it ends at `temperature`
             ratio = defaults["t_min"] / defaults["t_max"]
-            merged["t_max"], merged["t_min"] = req.temperature, req.temperature * ratio
+            merged["t_max"] = max(GREEDY_T, req.temperature)
+            merged["t_min"] = max(GREEDY_T, req.temperature * ratio)
     if merged["t_min"] > merged["t_max"]:
         raise invalid("diffusion.t_min must not exceed diffusion.t_max", param="diffusion.t_min")
     if req.seed is not None:

@@ -71,6 +71,16 @@ def test_temperature_0_without_seed_is_seeded():
     assert P.resolve(P.parse(P.ChatBody, {**CHAT, "temperature": 0, "seed": 9}), DEFAULTS)["seed"] == 9
 
 
+def test_temperatures_too_small_for_float32_are_refused_or_floored():
+    """logits / t overflows float32 for t ~1e-40 (the sampler then returns garbage, seen here):
+    a schedule end below GREEDY_T is a 400 naming it; a tiny ``temperature`` is near-greedy."""
+    for knob in ("t_min", "t_max"):
+        assert _param(P.ChatBody, {**CHAT, "diffusion": {knob: 1e-40}}) == f"diffusion.{knob}"
+    knobs = P.resolve(P.parse(P.ChatBody, {**CHAT, "temperature": 1e-40}), DEFAULTS)
+    assert knobs["t_min"] == knobs["t_max"] == P.GREEDY_T
+    assert P.resolve(P.parse(P.ChatBody, {**CHAT, "diffusion": {"t_min": P.GREEDY_T}}), DEFAULTS)["t_min"] == P.GREEDY_T
+
+
 @pytest.mark.parametrize("field, value", [
     ("tools", [{"type": "function", "name": "f"}]), ("store", True), ("previous_response_id", "resp_1"),
     ("reasoning", {"effort": "low"}), ("text", {"format": {"type": "json_object"}}), ("background", True),
