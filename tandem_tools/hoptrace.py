@@ -95,7 +95,10 @@ def _patch_gateway_app(m) -> None:
 
 
 def _patch_generate(m) -> None:
-    m._read_json = _around(m._read_json, None, "g_body")
+    for name in ("take_in_request", "_read_json"):  # the body's intake (its name changed once)
+        if hasattr(m, name):
+            setattr(m, name, _around(getattr(m, name), None, "g_body"))
+            break
     m._acquire = _around(m._acquire, None, "g_acquired")
 
 
@@ -176,7 +179,10 @@ class _Finder(importlib.abc.MetaPathFinder):
 
         def patched(module):
             exec_module(module)
-            PATCHES[name](module)
+            try:
+                PATCHES[name](module)
+            except AttributeError as e:  # the code moved on: trace the rest
+                print(f"hoptrace: {name} not traced: {e}", file=sys.stderr)
         spec.loader.exec_module = patched
         return spec
 
@@ -292,9 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8131)
     args = p.parse_args(argv)
     tables = {}
-    with tempfile.TemporaryDirectory(prefix="tandem-hoptrace-") as tmp:
-        for target in args.targets.split(","):
-            tables[target] = hop_table(run(target, args.port, args.requests, args.max_tokens, Path(tmp)))
+    workdir = Path(tempfile.mkdtemp(prefix="tandem-hoptrace-"))  # kept: the servers' logs and the traces
+    for target in args.targets.split(","):
+        tables[target] = hop_table(run(target, args.port, args.requests, args.max_tokens, workdir))
+    print(f"median of {args.requests} sequential streaming chats ({args.max_tokens} tokens); traces in {workdir}")
     print(format_hops(tables))
     return 0
 
