@@ -82,8 +82,10 @@ class ChoiceText:
             if at != -1:
                 self.text = self.text[:at]
                 self.stopped = True
-        # Hold back a trailing incomplete UTF-8 sequence until the next block completes it.
-        safe = len(self.text) if self.stopped else len(self.text.rstrip("\ufffd"))
+        # Hold back a trailing incomplete UTF-8 sequence until the next block completes it, and
+        # a tail that may be the start of a stop string the next block completes (sent text
+        # cannot be taken back); ``flush`` sends what is held when the sequence ends.
+        safe = len(self.text) if self.stopped else len(self.text.rstrip("\ufffd")) - self._stop_prefix()
         delta, self.sent = self.text[self.sent:safe], max(self.sent, safe)
         entries = None
         if logprobs is not None:
@@ -98,6 +100,12 @@ class ChoiceText:
                     keep += len(self.tok.decode([e[0]], skip_special_tokens=True))
                 entries = kept
         return delta, self.stopped, entries
+
+    def _stop_prefix(self) -> int:
+        """The length of the longest tail of the text that begins some stop string."""
+        text = self.text.rstrip("\ufffd")
+        return max((k for stop in self.stops for k in range(min(len(stop) - 1, len(text)), 0, -1)
+                    if text.endswith(stop[:k])), default=0)
 
     def flush(self) -> str:
         delta, self.sent = self.text[self.sent:], len(self.text)

@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from diffusion_plugin.batch import RowOutput, StepOutput
+from diffusion_plugin.chunks import ChoiceText
 from diffusion_plugin.engine import DiffusionEngine
 from tandem_core.errors import ErrorKind, TandemError
 from tandem_core.protocol import DONE
@@ -215,3 +216,18 @@ def test_a_bad_engine_arg_names_it():
     with pytest.raises(ValueError, match="engine_args.max_batchh"):
         DiffusionEngine("m", "unused", {"max_batchh": 4})
 
+
+
+@pytest.mark.parametrize("blocks, stops, sent", [
+    (["tok ", "abc"], ["k a"], "to"),  # the stop string spans two blocks: nothing of it leaves
+    (["tok ", "abc"], ["k x"], "tok abc"),  # a held-back tail that was no stop is sent at the end
+    (["ab", "cd", "ef"], ["bcde"], "a"),  # over three blocks
+    (["abc", "def"], ["zz", "cd"], "ab"),
+])
+def test_a_stop_string_across_blocks_never_leaks(blocks, stops, sent):
+    """Text already sent cannot be taken back: a tail that may begin a stop string waits for the
+    next block (seen: "tok " sent, then the stop "k a" completed by the next block)."""
+    tok = CharTokenizer()
+    text = ChoiceText(tok, stops)
+    out = "".join(text.add([ord(c) for c in b])[0] for b in blocks) + text.flush()
+    assert out == sent
