@@ -30,15 +30,6 @@ class ImageLimits:
     fetch_urls: bool = False  # http(s) image URLs: fetched by the replica, or refused
     fetch_timeout_s: float = 10.0
 
-    @classmethod
-    def from_engine_args(cls, args: dict) -> ImageLimits:
-        """Pops the image options out of a diffusion model's ``engine_args``."""
-        return cls(max_images=int(args.pop("max_images", cls.max_images)),
-                   max_image_bytes=int(args.pop("max_image_bytes", cls.max_image_bytes)),
-                   max_pixels=int(args.pop("max_image_pixels", cls.max_pixels)),
-                   fetch_urls=bool(args.pop("image_fetch", cls.fetch_urls)),
-                   fetch_timeout_s=float(args.pop("image_fetch_timeout_s", cls.fetch_timeout_s)))
-
 
 @dataclass(frozen=True)
 class ImageSource:

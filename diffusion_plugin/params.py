@@ -99,7 +99,8 @@ class DiffusionKnobs(BaseModel):
     # request is refused; ``temperature`` itself is floored there (near-greedy), as vLLM floors it.
     t_min: float | None = Field(None, ge=GREEDY_T, le=100, description="Sampling temperature at the block's last step "
                                 "(the schedule runs from t_max down to t_min); at most t_max.")
-    t_max: float | None = Field(None, ge=GREEDY_T, le=100, description="Sampling temperature at the block's first step.")
+    t_max: float | None = Field(None, ge=GREEDY_T, le=100,
+                                description="Sampling temperature at the block's first step.")
 
 
 def knobs_schema() -> dict[str, Any]:

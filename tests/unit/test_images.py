@@ -83,9 +83,10 @@ def test_decode_refuses_garbage_truncation_and_too_many_pixels():
 
 
 def test_engine_args_carry_the_limits():
-    args = {"max_images": 3, "max_image_bytes": 10, "image_fetch": True, "other": 1}
-    limits = ImageLimits.from_engine_args(args)
-    assert (limits.max_images, limits.max_image_bytes, limits.fetch_urls) == (3, 10, True) and args == {"other": 1}
+    from diffusion_plugin.engine_args import DiffusionEngineArgs
+
+    limits = DiffusionEngineArgs.model_validate({"max_images": 3, "max_image_bytes": 10, "image_fetch": True}).image_limits()
+    assert (limits.max_images, limits.max_image_bytes, limits.fetch_urls) == (3, 10, True)
     _, sources = extract_images([{"role": "user", "content": [_part("https://example.com/a.png")]}], limits)
     assert sources[0].url == "https://example.com/a.png"
 
