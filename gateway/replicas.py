@@ -35,6 +35,9 @@ class Replica:
     state: ReplicaState = ReplicaState.STARTING
     outstanding: int = 0  # requests routed here and not yet finished
     load: float = 0.0  # their summed cost (``router.request_cost``): tokens (AR) or batch rows (diffusion)
+    # The load other gateway processes put on it (same units as ``load``), from what the replica
+    # itself reports; 0 with a single gateway. Routing weighs ``load + others_load``.
+    others_load: float = 0.0
     info: EngineInfo | None = None
     last_error: str | None = None
     consecutive_failures: int = 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -158,6 +158,10 @@ class ModelConfig(_Strict):
         default_factory=dict, description="Passed to the engine unchanged (vLLM's engine and serving args)."
     )
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables for the replica's process.")
+    routing: Literal["p2c", "prefix"] = Field(
+        "p2c", description="How a request picks a replica: `p2c` (power of two choices on load) or `prefix` "
+        "(autoregressive: the replica likely to hold the longest cached prefix of the prompt, within a load "
+        "bound).")
     session_affinity: SessionAffinity = Field(default_factory=SessionAffinity,
                                               description="Optional session affinity (autoregressive only).")
     max_tokens_ceiling: int | None = Field(
@@ -187,6 +191,8 @@ class ModelConfig(_Strict):
 
 
 class GatewayConfig(_Strict):
+    processes: int = Field(1, ge=1, description="Gateway processes serving the same port and the same replicas "
+                           "(one host; on several nodes, run one `tandem serve` per node against the cluster).")
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=0, le=65535, description="Port the HTTP server binds (0: any free port).")
     health_interval_s: float = Field(5, gt=0, description="Seconds between replica health checks.")
