@@ -298,3 +298,10 @@ def test_hoptrace_takes_each_hops_first_time_in_its_request_window():
     table = format_hops({"tandem": rows, "direct": [("c_first", "", 9.0, 9.0)]})
     assert "| body intake (read + JSON) | 3.00 (4.00) | - |" in table
     assert "| SSE out (-> client's first event) | 7.00 (11.00) | 9.00 (9.00) |" in table
+
+
+def test_transport_bench_rows():
+    from tandem_tools.transport_bench import format_rows
+
+    r = {"call": [1_000_000, 2_000_000, 3_000_000], "item": [500_000] * 3, "cpu": (0.003, 0.006)}
+    assert format_rows({"ray": r}, 3).splitlines()[-1] == "| ray | 2.00 / 2.00 | 0.50 / 0.50 | 1.000 / 2.000 |"
