@@ -29,6 +29,7 @@ _NUMBER_SLOT = {name: i for i, name in enumerate(NUMBERS)}
 # isinstance with a tuple, not a union: ``X | Y`` costs ten times as much per call on 3.11.
 _CONTAINERS = (dict, list)
 _NUMBER_TYPES = (int, float)
+_INT = {int}
 
 
 class Intake(NamedTuple):
@@ -241,6 +242,8 @@ def _calls(calls: list, level: int) -> tuple[int, int]:
 def _prompt(prompt: list, level: int) -> tuple[int, int, int, int]:
     """(prompts, characters of text, token ids, deepest level) of a list prompt: strings, token
     ids, or lists of token ids."""
+    if set(map(type, prompt)) <= _INT:  # token ids, the long prompts: counted at C speed
+        return 0, 0, len(prompt), level
     prompts = chars = ids = 0
     deepest = level
     for p in prompt:
@@ -272,7 +275,10 @@ def _depth(value: dict | list, level: int) -> int:
         if d > deepest:
             deepest = d
         d += 1
-        for c in v.values() if isinstance(v, dict) else v:
+        children = v.values() if isinstance(v, dict) else v
+        if len(children) > 16 and not any(issubclass(t, _CONTAINERS) for t in set(map(type, children))):
+            continue  # a long list of scalars (token ids, numbers): seen at C speed
+        for c in children:
             if isinstance(c, _CONTAINERS):
                 stack.append((c, d))
     return deepest

@@ -200,7 +200,10 @@ def raised(f, *args):
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(body=body_st, route=st.sampled_from(ROUTES))
 def test_the_intake_agrees_with_the_walks_it_replaces(body, route):
-    body = json.loads(json.dumps(body))  # what the gateway sees: parsed JSON
+    agree(json.loads(json.dumps(body)), route)  # what the gateway sees: parsed JSON
+
+
+def agree(body: dict, route: str) -> None:
     intake = take_in(body, route)
     for generates in (True, False):
         assert take_in(body, route, generates=generates).tokens == old_estimate_tokens(body, generates)
@@ -215,10 +218,30 @@ def test_the_intake_agrees_with_the_walks_it_replaces(body, route):
     assert intake.message_chars == old_messages_chars(body.get("messages"))
     assert intake.input_chars == old_input_chars(body.get("input"))
     assert (intake.prompt_chars, intake.prompt_ids) == old_prompt_size(body.get("prompt"))
+    listed = {k: body[k] if isinstance(body.get(k), list) else None for k in ("messages", "prompt", "input")}
+    assert intake.messages == (None if listed["messages"] is None else len(listed["messages"]))
+    assert intake.inputs == (None if listed["input"] is None else len(listed["input"]))
+    assert intake.prompts == (None if listed["prompt"] is None
+                              else sum(isinstance(p, (str, list)) for p in listed["prompt"]))
     headers = {"x-session-id": "s1"}
     for header in (None, "x-session-id", "x-other"):
         key = take_in(body, route, headers=headers, session_header=header).session_key
         assert key == old_session_key(headers, body, header)
+
+
+IDS = list(range(40))
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": IDS}, {"prompt": IDS + [True]}, {"prompt": IDS + [None, 1.5]}, {"prompt": IDS + [[1, [2]]]},
+    {"prompt": IDS + ["ab"]}, {"prompt": IDS + [{"a": [1]}]}, {"prompt": [IDS, IDS + [[[1]]]]}, {"prompt": []},
+    {"tools": [1] * 40 + [{"a": [[1]]}]}, {"tools": {str(i): i for i in range(40)} | {"x": [[]]}},
+    {"x": [1.5] * 40}, {"x": [[1.5] * 40] * 20}, {"messages": [{"content": "a"}] * 40 + [[[[1]]]]},
+])
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_long_lists_agree_with_the_walks_they_replace(body, route):
+    """Long lists of scalars take a C-speed path (hypothesis' lists are short)."""
+    agree(body, route)
 
 
 @settings(max_examples=100, deadline=None)
