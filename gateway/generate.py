@@ -1,6 +1,7 @@
-"""The request path of the generation routes: parse and check the body, take a slot on a replica
-(queueing, deadlines, the request timeout), run it there, retry once elsewhere if that replica
-fails before the first byte, and answer: one JSON body, or a stream of SSE events.
+"""The request path of the generation routes: read the body once (``gateway.intake``) and check
+it, take a slot on a replica (queueing, deadlines, the request timeout), run it there, retry once
+elsewhere if that replica fails before the first byte, and answer: one JSON body, or a stream of
+SSE events.
 """
 
 from __future__ import annotations

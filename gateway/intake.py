@@ -3,7 +3,7 @@
 ``parse_json`` turns the raw body into a JSON object; ``take_in`` then walks it once and returns
 an ``Intake``: everything the gateway's checks and its router need to know about the body (its
 nesting depth, the sizes the input limits bound, the copies and output tokens asked for, the
-token estimate, the session key, the deadline). ``check_limits``, the rate limiter's
+token estimate, the session key, when the request times out). ``check_limits``, the rate limiter's
 ``check_tokens``, ``request_cost`` and the session affinity read that record; none of them
 walks the body again.
 
@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from tandem_core.errors import invalid
+from tandem_core.errors import TandemError, invalid
 from tandem_core.protocol import GENERATING_ROUTES
 
 CHARS_PER_TOKEN = 4  # the estimate of prompt tokens: ceil(characters / 4)
@@ -78,7 +78,7 @@ def parse_json(raw: bytes, max_depth: int) -> dict[str, Any]:
     return body
 
 
-def too_deep(max_depth: int):
+def too_deep(max_depth: int) -> TandemError:
     return invalid(f"the request body is nested deeper than {max_depth} levels")
 
 
@@ -92,7 +92,7 @@ def take_in(body: dict[str, Any], route: str, *, max_depth: int | None = None, g
     if max_depth is not None and depth > max_depth:
         raise too_deep(max_depth)
     n, best_of, max_tokens, max_completion_tokens, max_output_tokens = numbers
-    # count(): a positive int; ``numbers`` holds no bools
+    # Each counts when a positive int (``numbers`` holds no bools); else the default.
     copies = max(n if isinstance(n, int) and n > 0 else 1, best_of if isinstance(best_of, int) and best_of > 0 else 1)
     if isinstance(max_completion_tokens, int) and max_completion_tokens > 0:
         output_param, max_output = "max_completion_tokens", max_completion_tokens
@@ -119,11 +119,6 @@ def estimate(chars: int, ids: int, max_output: int, copies: int, generates: bool
     if not generates:
         return max(1, math.ceil(chars / CHARS_PER_TOKEN) + ids)
     return math.ceil(chars / CHARS_PER_TOKEN) + ids + max_output * copies
-
-
-def count(v: Any) -> int | None:
-    """``v`` if it is a positive integer (not a bool), else None."""
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 # -- the walk ---------------------------------------------------------------------------------------
