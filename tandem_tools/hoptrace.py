@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 ENV = "TANDEM_HOPTRACE_FILE"
-SITE = ('import os\nif os.environ.get("TANDEM_HOPTRACE_FILE"):\n    try:\n'
-        '        import tandem_tools.hoptrace as h\n        h.install()\n    except Exception as e:\n'
+SITE = ('import os\nif os.environ.get("TANDEM_HOPTRACE_FILE") or os.environ.get("TANDEM_SOCKET_TRIAL"):\n'
+        '    try:\n        import tandem_tools.hoptrace as h\n        h.install()\n    except Exception as e:\n'
         '        print("hoptrace:", e)\n')
 
 # The hops in request order: (event, what the gap before it is).
@@ -162,11 +162,15 @@ PATCHES = {
 }
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Patches a module of ``PATCHES`` right after it runs (before anyone imports its names)."""
+class PatchingFinder(importlib.abc.MetaPathFinder):
+    """Applies ``patches[module name](module)`` right after the module runs (before anyone
+    imports its names)."""
+
+    def __init__(self, patches: dict, label: str):
+        self.patches, self.label = patches, label
 
     def find_spec(self, name, path, target=None):
-        if name not in PATCHES:
+        if name not in self.patches:
             return None
         sys.meta_path.remove(self)
         try:
@@ -180,17 +184,32 @@ class _Finder(importlib.abc.MetaPathFinder):
         def patched(module):
             exec_module(module)
             try:
-                PATCHES[name](module)
-            except AttributeError as e:  # the code moved on: trace the rest
-                print(f"hoptrace: {name} not traced: {e}", file=sys.stderr)
+                self.patches[name](module)
+            except AttributeError as e:  # the code moved on: patch the rest
+                print(f"{self.label}: {name} not patched: {e}", file=sys.stderr)
         spec.loader.exec_module = patched
         return spec
 
 
 def install() -> None:
+    """Run from ``sitecustomize`` in every process: tracing when ``TANDEM_HOPTRACE_FILE`` is set,
+    the socket-channel trial (``tandem_tools.socket_trial``) when ``TANDEM_SOCKET_TRIAL`` is."""
     global _fd
-    _fd = os.open(os.environ[ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    sys.meta_path.insert(0, _Finder())
+    if os.environ.get(ENV):
+        _fd = os.open(os.environ[ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        sys.meta_path.insert(0, PatchingFinder(PATCHES, "hoptrace"))
+    if os.environ.get("TANDEM_SOCKET_TRIAL"):
+        from tandem_tools import socket_trial
+
+        sys.meta_path.insert(0, PatchingFinder(socket_trial.PATCHES, "socket_trial"))
+
+
+def site_dir(workdir: Path) -> Path:
+    """A folder holding the ``sitecustomize`` that calls ``install`` (put it first on PYTHONPATH)."""
+    site = workdir / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITE)
+    return site
 
 
 # -- analysis (pure) ----------------------------------------------------------------------------
@@ -264,9 +283,7 @@ def run(target: str, port: int, n: int, max_tokens: int, workdir: Path) -> list[
     from tandem_tools.servers import Server
     from workers import tiny_models
 
-    site = workdir / "site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(SITE)
+    site = site_dir(workdir)
     trace = workdir / f"{target}.trace"
     trace.unlink(missing_ok=True)
     repo = str(Path(__file__).resolve().parent.parent)
