@@ -121,7 +121,8 @@ def test_tiled_experts_are_batch_invariant_on_gpu(hidden, inter, experts, top_k)
     """A bmm over n tiles gives each tile the same bits whatever n (cuBLAS may pick its algorithm
     by batch count: checked here), and the result stays close to HF's experts."""
     from diffusion_plugin.families.diffusiongemma_moe import tiled_experts
-    from tests.unit.test_diffusion_fast import _experts_case, _tokens
+    from tests.experts_cases import experts_case as _experts_case
+    from tests.experts_cases import routed_tokens as _tokens
 
     module = _experts_case(hidden, inter, experts, top_k).to(DEVICE)
     args = (module.gate_up_proj, module.down_proj, module.act_fn)

@@ -10,6 +10,8 @@ from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
 from diffusion_plugin.request import SamplingParams, Sequence
 from diffusion_plugin.runner import Runner
 from diffusion_plugin.scheduler import Scheduler
+from tests.experts_cases import experts_case as _experts_case
+from tests.experts_cases import routed_tokens as _tokens
 from workers import tiny_models
 
 # 90 > window; 300 and 600 span several KV pages (ATTN_BLOCK 256) and their sliding layer drops pages.
@@ -99,28 +101,6 @@ def test_fast_sampler_follows_the_distribution(adapter):
     ids = _inverse_cdf(e, u)[0]
     freq = torch.bincount(ids, minlength=4)[:4].double() / ids.numel()
     assert int(freq[1]) == 0 and torch.allclose(freq, probs[:4].double(), atol=0.02)
-
-
-def _experts_case(hidden, inter, experts, top_k, seed=0):
-    from transformers.models.diffusion_gemma.configuration_diffusion_gemma import DiffusionGemmaTextConfig
-    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaTextExperts
-
-    cfg = DiffusionGemmaTextConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
-                                   top_k_experts=top_k, hidden_activation="gelu_pytorch_tanh")
-    cfg._experts_implementation = "grouped_mm"  # what the loaded model runs
-    module = DiffusionGemmaTextExperts(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        module.gate_up_proj.copy_(torch.randn(module.gate_up_proj.shape, generator=g) * hidden ** -0.5)
-        module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=g) * inter ** -0.5)
-    return module
-
-
-def _tokens(n, hidden, experts, top_k, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, hidden, generator=g)
-    w, idx = torch.topk(torch.softmax(torch.randn(n, experts, generator=g), -1), top_k, dim=-1)
-    return x, idx, w / w.sum(-1, keepdim=True)
 
 
 # The shape model's experts (128 x top 8 at hidden 128), then wider hiddens where the BLAS's

@@ -6,7 +6,7 @@ from diffusion_plugin.batch import RowOutput, StepOutput
 from diffusion_plugin.loop import DiffusionLoop, EventKind
 from diffusion_plugin.request import SeqStatus
 from diffusion_plugin.scheduler import Scheduler
-from tests.unit.test_diffusion_scheduler import _seq
+from tests.unit.diffusion_fakes import make_seq as _seq
 
 
 class FakeRunner:

@@ -13,7 +13,7 @@ from diffusion_plugin.memory import (
 )
 from diffusion_plugin.request import SamplingParams, SeqStatus, Sequence
 from diffusion_plugin.scheduler import Scheduler
-from tests.unit.test_diffusion_scheduler import FakeDenoiser
+from tests.unit.diffusion_fakes import FakeDenoiser
 
 C = 4
 SHAPE = MemoryShape(canvas_length=C, vocab_size=100, hidden_size=8, itemsize=4,
