@@ -1,0 +1,144 @@
+"""What each replica probably has in its prefix cache, as one gateway process saw it.
+
+``routing: prefix`` sends a request to the replica likely to hold the longest cached prefix of
+its prompt. The gateway cannot see token ids (it does not tokenize), so it approximates vLLM's
+prefix cache on the prompt's text: ``prompt_blocks`` cuts the text (chat messages in order, each
+message's role and text; or a completion's prompt) into blocks of ``BLOCK_CHARS`` characters,
+about 64 tokens, and chains each block's hash with its predecessor's, as vLLM chains its block
+hashes: equal hash at position i means equal text up to the end of block i. Only full blocks
+count (vLLM caches only full blocks).
+
+``PrefixIndex`` keeps the block hashes of the prompts routed to one replica, least recently used
+first, up to ``max_blocks`` (memory bounded: ~100 bytes an entry). A prompt's blocks are recorded
+last block first, so its first blocks are the most recent and the last to be forgotten, as vLLM
+frees a finished request's blocks tail first. ``match`` counts the leading blocks present.
+
+Approximate by design: the index holds what this process routed, not what the engine kept (the
+engine evicts under its own memory pressure; other gateway processes route there too), images
+and tool definitions do not enter the text, and a different chat template rendering of equal
+messages would still match. Python's ``hash`` is salted per process; each process has its own
+index, so that is fine.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+BLOCK_CHARS = 256  # characters per block: ~64 tokens at the gateway's 4 characters a token
+BLOCK_IDS = 64  # token ids per block, for prompts given as token ids
+MAX_PROMPT_BLOCKS = 1024  # blocks hashed per prompt (256k characters); the rest does not steer routing
+DEFAULT_INDEX_BLOCKS = 16384  # per replica when the engine does not say its KV capacity (~1M tokens, ~2 MB)
+_SEP = "\x1f"  # between a message's fields and between messages: "ab"+"c" is not "a"+"bc"
+
+
+def prompt_blocks(body: dict[str, Any], block_chars: int = BLOCK_CHARS) -> tuple[int, ...]:
+    """The chained hashes of the full blocks of the request's prompt (``messages``, ``prompt``
+    or the Responses API's ``input``), first block first; () when there is no full block or the
+    body has an unexpected shape. Never raises."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return _chain_text(_messages_text(messages), block_chars)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return _chain_text(prompt, block_chars)
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, int) and not isinstance(first, bool):
+            return _chain_ids(prompt)
+        if isinstance(first, list):  # a batch of token-id prompts: the first one steers
+            return _chain_ids(first)
+        return _chain_text(_SEP.join(p for p in prompt if isinstance(p, str)), block_chars)
+    inputs = body.get("input")
+    if isinstance(inputs, str):
+        return _chain_text(inputs, block_chars)
+    if isinstance(inputs, list):
+        return _chain_text(_messages_text(inputs), block_chars)
+    return ()
+
+
+def _messages_text(messages: list) -> str:
+    texts: list[str] = []
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        for v in m.values():  # role, name, content, tool_call_id ... in the client's order
+            if isinstance(v, str):
+                texts.append(v)
+            elif isinstance(v, list):
+                for p in v:  # content parts' text, tool calls' arguments
+                    if isinstance(p, str):
+                        texts.append(p)
+                    elif isinstance(p, dict):
+                        text = p.get("text")
+                        if isinstance(text, str):
+                            texts.append(text)
+                        fn = p.get("function")
+                        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                            texts.append(fn["arguments"])
+        texts.append("")  # closes the message
+    return _SEP.join(texts)
+
+
+def _chain_text(text: str, block_chars: int) -> tuple[int, ...]:
+    end = min(len(text) // block_chars, MAX_PROMPT_BLOCKS) * block_chars
+    h = 0
+    out = []
+    for i in range(0, end, block_chars):
+        h = hash((h, text[i:i + block_chars]))
+        out.append(h)
+    return tuple(out)
+
+
+def _chain_ids(ids: list) -> tuple[int, ...]:
+    end = min(len(ids) // BLOCK_IDS, MAX_PROMPT_BLOCKS) * BLOCK_IDS
+    h = 1  # token-id blocks never equal text blocks
+    out = []
+    for i in range(0, end, BLOCK_IDS):
+        try:
+            h = hash((h, tuple(ids[i:i + BLOCK_IDS])))
+        except TypeError:  # an unhashable item: the engine will refuse the prompt anyway
+            break
+        out.append(h)
+    return tuple(out)
+
+
+class PrefixIndex:
+    """The block hashes routed to one replica, least recently used first, at most ``max_blocks``.
+    ``owner``: the engine start (its ``EngineInfo``, a new object on every start) and actor
+    incarnation it describes; ``router.ModelPool`` empties the index when they change."""
+
+    def __init__(self, max_blocks: int = DEFAULT_INDEX_BLOCKS):
+        if max_blocks < 1:
+            raise ValueError("max_blocks must be at least 1")
+        self.max_blocks = max_blocks
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.owner: tuple[object, str | None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks``' leading blocks this replica probably holds."""
+        n = 0
+        for h in blocks:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def insert(self, blocks: Sequence[int]) -> None:
+        """Record a prompt routed here: its blocks become the most recent, its first block last
+        of all; the least recently used blocks beyond ``max_blocks`` are forgotten."""
+        d = self._blocks
+        for h in reversed(blocks[:self.max_blocks]):
+            if h in d:
+                d.move_to_end(h)
+            else:
+                d[h] = None
+        while len(d) > self.max_blocks:
+            d.popitem(last=False)
+
+    def clear(self) -> None:
+        self._blocks.clear()
