@@ -29,22 +29,15 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from tandem_tools import procstat
-from tandem_tools.servers import Server
+from tandem_tools.setups import MODEL, TARGETS, TRIAL, Setup, build_setups, missing_binaries
 from tandem_tools.vllm_bench import LevelResult, LevelSpec, run_level
 from workers import tiny_models
 
 logger = logging.getLogger("tandem.bench")
-ENGINE_ARGS = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 64, "dtype": "float32"}
 ALL_CORES = set(os.sched_getaffinity(0))
-TARGETS = ("direct", "vllm-router", "smg", "tandem")
-MODEL = "tiny-llama"
-ACTOR_PREFIX = "ray::EngineActor"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,90 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2,
                    help="ar mode: interleaved rounds, every setup once per round (default: 2)")
     p.add_argument("--targets", default=",".join(TARGETS),
-                   help=f"ar mode: which setups to run (default: {','.join(TARGETS)})")
+                   help=f"ar mode: which setups to run (default: {','.join(TARGETS)}; also {TRIAL}: tandem with "
+                        "the gateway-replica channel on a Unix socket, a measured trial)")
     p.add_argument("--port", type=int, default=8123,
                    help="port for the server under test (default: 8123; a gateway's vLLM takes the next one)")
     p.add_argument("--out", help="also write the results as JSON to this file")
     p.add_argument("--ready-timeout", type=float, default=600, help="seconds to wait for a server to be ready")
-
-
-# -- setups ---------------------------------------------------------------------------------
-@dataclass
-class Setup:
-    """What one target runs: ``servers`` start in order (the engine first) and stop in reverse;
-    load goes to the last one."""
-
-    name: str
-    servers: list[Server]
-    gateway: Server | None  # the gateway process whose CPU is reported (None: direct)
-    serving: Callable[[], int | None]  # pid of vLLM's serving layer, once everything is ready
-
-
-def _vllm_flags(engine_args: dict) -> list[str]:
-    flags = []
-    for k, v in engine_args.items():
-        flag = "--" + k.replace("_", "-")
-        if v is True:
-            flags.append(flag)
-        elif v is not False:
-            flags += [flag, str(v)]
-    return flags
-
-
-def _bin(name: str) -> str:
-    return str(Path(sys.executable).parent / name)
-
-
-def router_argv(kind: str, port: int, worker_port: int, metrics_port: int) -> list[str]:
-    """A Rust gateway in front of one `vllm serve`: round robin, its metrics on a port of its own
-    (both default to 29000, which another process on a shared box may hold)."""
-    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", f"http://127.0.0.1:{worker_port}",
-              "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
-    if kind == "vllm-router":
-        return [_bin("vllm-router"), *common, "--log-level", "warning"]
-    if kind == "smg":
-        return [_bin("smg"), "launch", *common, "--log-level", "warn"]
-    raise ValueError(f"unknown router {kind!r}")
-
-
-def tandem_config(port: int, model_path: str) -> dict:
-    return {
-        "gateway": {"host": "127.0.0.1", "port": port},
-        "ray": {"num_cpus": 2},
-        "models": [{"name": MODEL, "kind": "autoregressive", "source": model_path,
-                    "resources": {"num_gpus": 0, "num_cpus": 1}, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
-                    "engine_args": ENGINE_ARGS}],
-    }
-
-
-def _setups(args, model_path: str, workdir: Path) -> dict[str, Setup]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-
-    def vllm(port: int, log: str) -> Server:
-        return Server("vllm serve", [sys.executable, "-m", "tandem_tools.vllm_cli_shim", "serve", model_path,
-                                     "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
-                                     "--disable-uvicorn-access-log", *_vllm_flags(ENGINE_ARGS)],
-                      port, "/v1/models", workdir / log, env)
-
-    cfg_path = workdir / "tandem.yaml"
-    cfg_path.write_text(yaml.safe_dump(tandem_config(args.port, model_path)))
-    tandem = Server("tandem", [sys.executable, "-m", "tandem_tools.cli", "--log-level", "warning", "serve",
-                               "--config", str(cfg_path)], args.port, "/ready", workdir / "tandem.log", env)
-    direct = vllm(args.port, "direct.log")
-    setups = {
-        "direct": Setup("direct", [direct], None, lambda: direct.proc.pid),
-        "tandem": Setup("tandem", [tandem], tandem, lambda: procstat.find(tandem.proc.pid, ACTOR_PREFIX)),
-    }
-    for kind in ("vllm-router", "smg"):
-        engine = vllm(args.port + 1, f"{kind}-vllm.log")
-        router = Server(kind, router_argv(kind, args.port, args.port + 1, args.port + 2), args.port,
-                        "/v1/models", workdir / f"{kind}.log", env)
-        setups[kind] = Setup(kind, [engine, router], router, lambda e=engine: e.proc.pid)
-    return setups
-
-
-def missing_binaries(targets: list[str]) -> list[str]:
-    return [t for t in targets if t in ("vllm-router", "smg") and not Path(_bin(t)).exists()]
 
 
 # -- running --------------------------------------------------------------------------------
@@ -271,7 +186,7 @@ def format_table(results: dict[str, Rounds], levels: list[int]) -> str:
 def main(args: argparse.Namespace) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    unknown = sorted(set(targets) - set(TARGETS))
+    unknown = sorted(set(targets) - {*TARGETS, TRIAL})
     if unknown:
         print(f"tandem bench: unknown target(s) {', '.join(unknown)}; known: {', '.join(TARGETS)}", file=sys.stderr)
         return 2
@@ -284,7 +199,7 @@ def main(args: argparse.Namespace) -> int:
     results: dict[str, Rounds] = {t: [] for t in targets}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
-        setups = _setups(args, model_path, Path(tmp))
+        setups = build_setups(args, model_path, Path(tmp))
         for rnd in range(args.rounds):
             for name in round_order(targets, rnd):
                 results[name].append(_run_setup(setups[name], levels, args, model_path, Path(tmp), rnd))

@@ -24,10 +24,6 @@ import time
 from pathlib import Path
 
 ENV = "TANDEM_HOPTRACE_FILE"
-SITE = ('import os\nif os.environ.get("TANDEM_HOPTRACE_FILE") or os.environ.get("TANDEM_SOCKET_TRIAL"):\n'
-        '    try:\n        import tandem_tools.hoptrace as h\n        h.install()\n    except Exception as e:\n'
-        '        print("hoptrace:", e)\n')
-
 # The hops in request order: (event, what the gap before it is).
 HOPS = [
     ("g_asgi_in", "HTTP in (client send -> gateway ASGI app)"),
@@ -204,14 +200,6 @@ def install() -> None:
         sys.meta_path.insert(0, PatchingFinder(socket_trial.PATCHES, "socket_trial"))
 
 
-def site_dir(workdir: Path) -> Path:
-    """A folder holding the ``sitecustomize`` that calls ``install`` (put it first on PYTHONPATH)."""
-    site = workdir / "site"
-    site.mkdir(parents=True, exist_ok=True)
-    (site / "sitecustomize.py").write_text(SITE)
-    return site
-
-
 # -- analysis (pure) ----------------------------------------------------------------------------
 def first_in_windows(events: list[tuple[int, str]], windows: list[tuple[int, int]]) -> list[dict[str, int]]:
     """For each client window [start, end], the first time of every event inside it, relative
@@ -279,8 +267,8 @@ def _client(port: int, n: int, max_tokens: int) -> list[tuple[int, int, int]]:
 
 
 def run(target: str, port: int, n: int, max_tokens: int, workdir: Path) -> list[dict[str, int]]:
-    from tandem_tools import bench
     from tandem_tools.servers import Server
+    from tandem_tools.setups import build_setups, site_dir
     from workers import tiny_models
 
     site = site_dir(workdir)
@@ -289,7 +277,7 @@ def run(target: str, port: int, n: int, max_tokens: int, workdir: Path) -> list[
     repo = str(Path(__file__).resolve().parent.parent)
     args = argparse.Namespace(port=port)
     model_path = str(tiny_models.build(tiny_models.TINY_LLAMA))
-    setup = bench._setups(args, model_path, workdir)[target]
+    setup = build_setups(args, model_path, workdir)[target]
     server: Server = setup.servers[-1]
     server.env = {**server.env, ENV: str(trace),
                   "PYTHONPATH": os.pathsep.join([str(site), repo, os.environ.get("PYTHONPATH", "")])}
