@@ -176,6 +176,13 @@ class ModelConfig(_Strict):
             raise ValueError("session_affinity: only autoregressive models have a prefix cache to keep warm")
         return self
 
+    @model_validator(mode="after")
+    def _prefix_routing_is_autoregressive(self) -> ModelConfig:
+        if self.routing == "prefix" and self.kind is not ModelKind.AUTOREGRESSIVE:
+            raise ValueError("routing: `prefix` routes by what a replica's prefix cache holds; only autoregressive "
+                             "models have one (use `p2c`)")
+        return self
+
     @field_validator("name")
     @classmethod
     def _name_is_clean(cls, v: str) -> str:

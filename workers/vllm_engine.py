@@ -150,6 +150,7 @@ class VllmEngine:
         self._totals = _Totals()
         self._active: set[str] = set()  # requests being served (for abort's answer and count)
         self._aborted = 0  # requests aborted before their end (client gone, timeout)
+        self._kv_cache_tokens: int | None = None  # the KV cache's capacity, known once started
 
     async def start(self) -> EngineInfo:
         from starlette.datastructures import State
@@ -168,6 +169,9 @@ class VllmEngine:
             disable_log_stats=eargs.disable_log_stats,
             stat_loggers=[self._totals.factory()],
         )
+        # Set by the engine core at start-up (its KV blocks); the gateway sizes its prefix index on it.
+        cache = vllm_config.cache_config
+        self._kv_cache_tokens = (cache.num_gpu_blocks or 0) * (cache.block_size or 0) or None
         supported = await self._llm.get_supported_tasks()
         self._state = State()
         await init_app_state(self._llm, self._state, args, supported)
@@ -179,7 +183,7 @@ class VllmEngine:
             model=self.model,
             kind="autoregressive",
             max_model_len=self._llm.model_config.max_model_len,
-            extra={"source": self.source},
+            extra={"source": self.source, "kv_cache_tokens": self._kv_cache_tokens},
         )
 
     # One method per route (``tandem_core.protocol.ROUTES``), each calling the serving object vLLM's
@@ -314,7 +318,7 @@ class VllmEngine:
         if self._llm is None:
             return EngineStats(running=0)
         running = self._llm.output_processor.get_num_unfinished_requests()
-        extra = {**self._totals.values, "aborted": self._aborted}
+        extra = {**self._totals.values, "aborted": self._aborted, "kv_cache_tokens": self._kv_cache_tokens}
         return EngineStats(running=running, waiting=extra.pop("waiting"), extra=extra,
                            progress=extra["prompt_tokens"] + extra["generation_tokens"])
 

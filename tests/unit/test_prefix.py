@@ -1,6 +1,9 @@
 """The approximate prefix index (gateway/prefix.py): block hashes of prompts, chained, and a
 per-replica LRU of them. Routing on it is tested in test_router.py."""
 
+import pytest
+
+from gateway.config import ConfigError, parse_config
 from gateway.prefix import BLOCK_CHARS, BLOCK_IDS, MAX_PROMPT_BLOCKS, PrefixIndex, prompt_blocks
 
 SYSTEM = "You are the support assistant of tenant seven. " * 40  # ~1,900 characters
@@ -75,3 +78,12 @@ def test_index_is_bounded_and_forgets_least_recently_used_tails_first():
     assert len(index) == 6  # the bound holds whatever comes
     index.clear()
     assert len(index) == 0 and index.match((999,)) == 0
+
+
+def test_config_refuses_prefix_routing_on_a_diffusion_model():
+    ar = {"name": "m", "kind": "autoregressive", "source": "x", "routing": "prefix"}
+    assert parse_config({"models": [ar]}).models[0].routing == "prefix"
+    assert parse_config({"models": [{**ar, "routing": "p2c"}]}).models[0].routing == "p2c"
+    with pytest.raises(ConfigError) as e:
+        parse_config({"models": [{"name": "d", "kind": "diffusion", "source": "x", "routing": "prefix"}]})
+    assert "models.0" in str(e.value) and "routing" in str(e.value) and "autoregressive" in str(e.value)
