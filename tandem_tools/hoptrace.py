@@ -243,30 +243,65 @@ def format_hops(tables: dict[str, list[tuple[str, str, float, float]]]) -> str:
 
 
 # -- the run ------------------------------------------------------------------------------------
-def _client(port: int, n: int, max_tokens: int) -> list[tuple[int, int, int]]:
-    """n sequential streaming chats: (send, first event with choices, end) in monotonic ns."""
+def _client(port: int, n: int, max_tokens: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, str]]]:
+    """n sequential streaming chats: (send, first event with choices, end) in monotonic ns, and
+    a ``c_event`` at each event's arrival."""
     import json
 
     import httpx
 
     body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "the quick brown fox " * 6}],
             "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0}
-    out = []
+    out, arrivals = [], []
     with httpx.Client(timeout=60) as client:
         for i in range(n + 3):
             t0 = time.monotonic_ns()
             first = None
+            mine = []
             with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
                 for line in r.iter_lines():
-                    if first is None and line.startswith("data: {") and json.loads(line[6:]).get("choices"):
-                        first = time.monotonic_ns()
+                    if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                        mine.append((time.monotonic_ns(), "c_event"))
+                        first = first or mine[-1][0]
             if i >= 3:  # warm-up
                 out.append((t0, first or time.monotonic_ns(), time.monotonic_ns()))
+                arrivals += mine
             time.sleep(0.05)  # let the previous request's tail events land before the next window
+    return out, arrivals
+
+
+STREAM_STAGES = [("v_output", "engine output reaches vLLM's serving layer"), ("v_chunk", "vLLM SSE chunk"),
+                 ("a_yield", "actor hands a batch to the transport"), ("g_feed", "gateway receives a batch"),
+                 ("g_send_body", "gateway writes a body message"), ("c_event", "client reads an event")]
+
+
+def stage_gaps(events: list[tuple[int, str]], windows: list[tuple[int, int]], stages=STREAM_STAGES) -> dict:
+    """{stage: (p50, p99, max) ms} of the gaps between consecutive occurrences within a window:
+    where a stall in the stream first shows."""
+    out = {}
+    for name, _ in stages:
+        gaps = []
+        for start, end in windows:
+            times = [t for t, n in events if n == name and start <= t <= end]
+            gaps += [b - a for a, b in zip(times, times[1:], strict=False)]
+        if gaps:
+            gaps.sort()
+            out[name] = (gaps[len(gaps) // 2] / 1e6, gaps[int(0.99 * (len(gaps) - 1))] / 1e6, gaps[-1] / 1e6)
     return out
 
 
-def run(target: str, port: int, n: int, max_tokens: int, workdir: Path) -> list[dict[str, int]]:
+def format_gaps(tables: dict[str, dict]) -> str:
+    names = list(tables)
+    lines = ["| stream stage | " + " | ".join(f"{n}: gap p50 / p99 / max ms" for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    for stage, what in STREAM_STAGES:
+        cells = ["{:.2f} / {:.2f} / {:.1f}".format(*tables[n][stage]) if stage in tables[n] else "-" for n in names]
+        if any(c != "-" for c in cells):
+            lines.append(f"| {what} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(target: str, port: int, n: int, max_tokens: int, workdir: Path) -> tuple[list[dict[str, int]], dict]:
     from tandem_tools.servers import Server
     from tandem_tools.setups import build_setups, site_dir
     from workers import tiny_models
@@ -283,8 +318,8 @@ def run(target: str, port: int, n: int, max_tokens: int, workdir: Path) -> list[
                   "PYTHONPATH": os.pathsep.join([str(site), repo, os.environ.get("PYTHONPATH", "")])}
     with server:
         server.wait_ready(600)
-        windows = _client(port, n, max_tokens)
-    events = []
+        windows, arrivals = _client(port, n, max_tokens)
+    events = list(arrivals)
     for line in trace.read_text().splitlines():
         t, name, _pid = line.split()
         events.append((int(t), name))
@@ -292,7 +327,7 @@ def run(target: str, port: int, n: int, max_tokens: int, workdir: Path) -> list[
     per_request = first_in_windows(events, [(s, e) for s, _, e in windows])
     for r, (s, f, _) in zip(per_request, windows, strict=True):
         r["c_first"] = f - s
-    return per_request
+    return per_request, stage_gaps(events, [(s, e) for s, _, e in windows])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,12 +337,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--port", type=int, default=8131)
     args = p.parse_args(argv)
-    tables = {}
+    tables, gaps = {}, {}
     workdir = Path(tempfile.mkdtemp(prefix="tandem-hoptrace-"))  # kept: the servers' logs and the traces
     for target in args.targets.split(","):
-        tables[target] = hop_table(run(target, args.port, args.requests, args.max_tokens, workdir))
+        per_request, gaps[target] = run(target, args.port, args.requests, args.max_tokens, workdir)
+        tables[target] = hop_table(per_request)
     print(f"median of {args.requests} sequential streaming chats ({args.max_tokens} tokens); traces in {workdir}")
     print(format_hops(tables))
+    print()
+    print(format_gaps(gaps))
     return 0
 
 

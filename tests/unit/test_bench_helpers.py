@@ -326,3 +326,13 @@ def test_socket_trial_frames_round_trip():
         return await read_frame(reader), await read_frame(reader)
 
     assert asyncio.run(go()) == ([("r1", "data: x\n\n")], ("submit", ("c", "chat", {}, "r2")))
+
+
+def test_hoptrace_stage_gaps_show_where_a_stall_starts():
+    from tandem_tools.hoptrace import format_gaps, stage_gaps
+
+    ms = 1_000_000
+    events = [(t * ms, "v_output") for t in (0, 2, 4, 6)] + [(t * ms, "g_feed") for t in (1, 3, 40, 42)]
+    gaps = stage_gaps(events, [(0, 50 * ms)])
+    assert gaps["v_output"] == (2.0, 2.0, 2.0) and gaps["g_feed"] == (2.0, 2.0, 37.0)  # the stall: its max
+    assert "| gateway receives a batch | 2.00 / 2.00 / 37.0 |" in format_gaps({"t": gaps})
