@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -93,11 +94,15 @@ def _to_anthropic(body: bytes, status: int) -> bytes:
 
 class MetricsMiddleware:
     """Gives every request an id (``X-Request-Id``), counts it by (model, route template, status
-    class) and times generations. Outermost: refusals at the edge (401, 413, 429) count too."""
+    class) and times generations. Outermost: refusals at the edge (401, 413, 429) count too.
+    With several gateway processes, every answer names the one that served it
+    (``X-Tandem-Gateway: <pid>``)."""
 
     def __init__(self, app, service: Service):
         self.app = app
         self.service = service
+        several = service.config.gateway.processes > 1 or service.attached
+        self.extra_headers = [(b"x-tandem-gateway", str(os.getpid()).encode())] if several else []
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -111,7 +116,8 @@ class MetricsMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode()),
+                                      *self.extra_headers]
             await send(message)
 
         try:
@@ -261,7 +267,7 @@ def build_app(service: Service) -> FastAPI:
     if service.config.metrics.port is None:
         @app.get("/metrics")
         async def metrics() -> Response:
-            return PlainTextResponse(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+            return PlainTextResponse(generate_latest(service.metrics.exposition), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/replicas")
     async def replicas() -> dict:

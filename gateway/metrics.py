@@ -7,11 +7,19 @@ replica id), ``state`` and ``reason`` (enums). No user, key, prompt or raw path 
 Engine metrics reach Prometheus through the gateway: it polls every replica's ``stats()`` over
 Ray (wherever the actor runs, any node) and exports the latest snapshot. One scrape target per
 gateway, nothing to discover per node.
+
+Several gateway processes on one host (``gateway/processes.py``): prometheus_client's
+multiprocess mode (``use_multiprocess_dir``, before any metric exists): every process writes its
+counters, histograms and gauges to files in one folder, and /metrics of any process (or the one
+metrics port, served by the parent) sums them (gauges: ``livesum`` of the live processes; the
+replica-state gauge: the latest write). Engine metrics are per replica, not per process: the
+serving process exports its own latest snapshot of them.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -65,6 +73,31 @@ ENGINE_METRICS = {
 }
 
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def use_multiprocess_dir(path: str) -> None:
+    """Metrics created from now on, in this process and in processes started from it (they
+    inherit the environment), live in files under ``path`` and /metrics sums them."""
+    from prometheus_client import values
+
+    os.environ[MULTIPROC_ENV] = path
+    values.ValueClass = values.MultiProcessValue()  # prometheus_client chose at import
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get(MULTIPROC_ENV) or None
+
+
+def mark_process_dead(pid: int) -> None:
+    """A gateway process exited: its live gauges stop counting."""
+    path = multiprocess_dir()
+    if path:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid, path)
+
+
 class Metrics:
     def __init__(self, models: list[str]):
         self.models = set(models)
@@ -82,14 +115,16 @@ class Metrics:
                                      ["model"], registry=r)
         self.output_tokens = Counter("tandem_output_tokens", "Completion tokens reported in responses' usage.",
                                      ["model"], registry=r)
-        self.in_flight = Gauge("tandem_requests_in_flight", "Generation requests being served.", ["model"], registry=r)
+        self.in_flight = Gauge("tandem_requests_in_flight", "Generation requests being served.", ["model"], registry=r,
+                               multiprocess_mode="livesum")
         self.queued = Gauge("tandem_requests_queued", "Generation requests waiting in the gateway.", ["model"],
-                            registry=r)
+                            registry=r, multiprocess_mode="livesum")
         self.queue_wait = Histogram("tandem_queue_wait_seconds", "Time from arrival to a replica slot (requests "
                                     "that got one).", ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.rejected = Counter("tandem_requests_rejected", "Requests refused before reaching an engine.",
                                 ["model", "reason"], registry=r)
-        self.replicas = Gauge("tandem_replicas", "Replicas by state.", ["model", "state"], registry=r)
+        self.replicas = Gauge("tandem_replicas", "Replicas by state.", ["model", "state"], registry=r,
+                              multiprocess_mode="livemostrecent")
         self.restarts = Counter("tandem_replica_restarts", "Replicas restarted (died, stuck or failing).", ["model"],
                                 registry=r)
         self.retries = Counter("tandem_request_retries",
@@ -108,6 +143,14 @@ class Metrics:
                 self.rejected.labels(m, reason)
         self._engines = _EngineCollector()
         r.register(self._engines)
+        self.exposition = r  # what /metrics shows
+        path = multiprocess_dir()
+        if path:  # every gateway process's metrics, summed, and this one's engine snapshot
+            from prometheus_client import multiprocess
+
+            self.exposition = CollectorRegistry(auto_describe=True)
+            multiprocess.MultiProcessCollector(self.exposition, path=path)
+            self.exposition.register(self._engines)
 
     def model_label(self, model: object) -> str:
         return model if isinstance(model, str) and model in self.models else "other"

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 
 import uvicorn
 
 from gateway.service import Service
 
 
-def run_server(app, service: Service, log_level: str = "info", access_log: bool = False) -> None:
+def run_server(app, service: Service, log_level: str = "info", access_log: bool = False,
+               sockets: list[socket.socket] | None = None) -> None:
     """uvicorn, with a graceful SIGTERM: /ready turns 503, new requests are refused (503), the
-    requests in flight finish (up to gateway.drain_timeout_s), then the process exits 0."""
+    requests in flight finish (up to gateway.drain_timeout_s), then the process exits 0.
+    ``sockets``: listen on these (inherited from the parent of several gateway processes)
+    instead of binding gateway.host:port."""
     class DrainingServer(uvicorn.Server):
         draining = False
 
@@ -31,4 +35,4 @@ def run_server(app, service: Service, log_level: str = "info", access_log: bool 
     gw = service.config.gateway
     config = uvicorn.Config(app, host=gw.host, port=gw.port, log_level=log_level.lower(), access_log=access_log,
                             timeout_graceful_shutdown=5)
-    DrainingServer(config).run()
+    DrainingServer(config).run(sockets=sockets)

@@ -18,9 +18,13 @@ logger = logging.getLogger(__name__)
 
 
 class Service:
-    def __init__(self, config: TandemConfig, deployment: Deployment):
+    """``attached``: another process owns the replicas (``gateway/processes.py``); this one
+    serves requests on them but never restarts or shuts one down, and runs no metrics port."""
+
+    def __init__(self, config: TandemConfig, deployment: Deployment, attached: bool = False):
         self.config = config
         self.deployment = deployment
+        self.attached = attached
         self.router = Router([
             ModelPool(m.name, m.kind.value, max_in_flight=m.max_in_flight_per_replica,
                       max_queue=config.gateway.max_queue,
@@ -29,7 +33,7 @@ class Service:
         self.draining = False
         self.started_at = time.monotonic()
         self.metrics = Metrics([m.name for m in config.models])
-        self.supervisor = Supervisor(config, deployment, self.router, self.metrics)
+        self.supervisor = Supervisor(config, deployment, self.router, self.metrics, attached=attached)
         self._metrics_server = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the one the service runs in
 
@@ -38,11 +42,11 @@ class Service:
         self.started_at = time.monotonic()
         self.loop = asyncio.get_running_loop()
         self.supervisor.start()
-        if self.config.metrics.port is not None:
+        if self.config.metrics.port is not None and not self.attached:
             from prometheus_client import start_http_server
 
             self._metrics_server, _ = start_http_server(self.config.metrics.port, self.config.metrics.host,
-                                                        registry=self.metrics.registry)
+                                                        registry=self.metrics.exposition)
             logger.info("metrics on http://%s:%d/metrics", self.config.metrics.host, self.config.metrics.port)
 
     def in_flight(self) -> int:

@@ -2,6 +2,12 @@
 failed one out of rotation (failing its requests), restarts it, and feeds the engines' stats to
 the metrics. How replicas come to exist is injected (``Deployment``): Ray actors in production
 (``workers.deployment.RayDeployment``), in-process engines in unit tests.
+
+With several gateway processes (``gateway/processes.py``) one supervisor owns the replicas and
+the others are ``attached``: an attached one takes a failed replica out of rotation and fails
+its requests at once, as the owner does, but never restarts or shuts one down (two restarts of
+one actor would kill a healthy one); it waits for the owner to bring the replica back. Each one
+reads from the replicas how many requests the other processes have on them (``others_load``).
 """
 
 from __future__ import annotations
@@ -40,11 +46,13 @@ class Deployment(Protocol):
 
 
 class Supervisor:
-    def __init__(self, config: TandemConfig, deployment: Deployment, router: Router, metrics: Metrics):
+    def __init__(self, config: TandemConfig, deployment: Deployment, router: Router, metrics: Metrics,
+                 attached: bool = False):
         self.config = config
         self.deployment = deployment
         self.router = router
         self.metrics = metrics
+        self.attached = attached  # another process owns (restarts, shuts down) the replicas
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
 
@@ -143,10 +151,12 @@ class Supervisor:
         restart it in the background (it rejoins when started). ``kill``: it is stuck, not dead."""
         if replica.state not in (ReplicaState.HEALTHY, ReplicaState.UNHEALTHY) or self._stopping:
             return  # already being restarted, or never started
-        logger.warning("replica %s: out of rotation, restarting: %s", replica.id, reason)
+        logger.warning("replica %s: out of rotation, %s: %s", replica.id,
+                       "waiting for its owner to restart it" if self.attached else "restarting", reason)
         replica.state, replica.last_error = ReplicaState.RESTARTING, reason
         replica.restarts += 1
-        self.metrics.restarts.labels(self.metrics.model_label(replica.model)).inc()
+        if not self.attached:  # counted once, by the process that restarts it
+            self.metrics.restarts.labels(self.metrics.model_label(replica.model)).inc()
         replica.handle.fail_in_flight(TandemError(
             ErrorKind.ENGINE_DEAD, f"the replica serving this request failed ({reason}); it is being restarted"))
         pool = self.router.pools[replica.model]
@@ -191,6 +201,8 @@ class Supervisor:
                         stats = {"running": s.running, "waiting": s.waiting, **s.extra}
                     except Exception:  # noqa: BLE001 - the health loop judges the replica
                         stats = None
+                    else:
+                        r.others_load = others_load(r, stats.pop("channel_in_flight", None))
                 rows.append((r.model, r.id, r.state.value, stats))
             self.metrics.set_replicas(rows, [s.value for s in ReplicaState])
             for name, pool in self.router.pools.items():
@@ -241,11 +253,17 @@ class Supervisor:
         self.router.pools[replica.model].wake()
 
     async def stop(self) -> None:
-        """Stop the loops, shut every live replica's engine down, release the deployment."""
+        """Stop the loops, shut every live replica's engine down, release the deployment.
+        Attached: only this process's channels close; the replicas are the owner's."""
         self._stopping = True
         for task in self._tasks:
             task.cancel()
         await asyncio.wait(self._tasks, timeout=10) if self._tasks else None
+        if self.attached:
+            for r in self.router.all_replicas():
+                r.handle.fail_in_flight(TandemError(ErrorKind.SHUTTING_DOWN, "the gateway is shutting down"))
+            self.deployment.close()
+            return
         replicas = [r for r in self.router.all_replicas() if r.state.live]  # the others: killed by close()
         results = await asyncio.gather(
             *(asyncio.wait_for(r.handle.shutdown(), timeout=30) for r in replicas), return_exceptions=True)
@@ -253,3 +271,17 @@ class Supervisor:
             if isinstance(res, BaseException):
                 logger.warning("replica %s: shutdown: %s", r.id, res)
         self.deployment.close()
+
+
+def others_load(replica: Replica, per_channel: dict[str, int] | None) -> float:
+    """The load the other gateway processes put on ``replica``, in ``Replica.load``'s units: the
+    requests the replica holds for other channels than this process's, each weighed as this
+    process's own requests on it weigh on average (1 request = 1 unit when it has none)."""
+    if not per_channel:
+        return 0.0
+    mine = getattr(replica.handle, "channel_id", None)
+    others = sum(n for cid, n in per_channel.items() if cid != mine)
+    if not others:
+        return 0.0
+    per_request = replica.load / replica.outstanding if replica.outstanding else 1.0
+    return others * per_request

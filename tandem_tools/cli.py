@@ -31,18 +31,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"tandem: {e}", file=sys.stderr)
         return 2
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("processes", args.processes))
+                 if v is not None}
+    if overrides.get("processes", 1) < 1:
+        print("tandem: --processes must be at least 1", file=sys.stderr)
+        return 2
     gw = config.gateway.model_copy(update=overrides)
     config = config.model_copy(update={"gateway": gw})
-
+    if args.attach and not config.ray.address:
+        print("tandem: --attach joins the replicas another `tandem serve` runs on a Ray cluster: set ray.address "
+              "in the config (e.g. `auto` on a node of that cluster)", file=sys.stderr)
+        return 2
 
     logger.info("config %s: %d model(s): %s", args.config or DEFAULT_CONFIG, len(config.models),
                 ", ".join(f"{m.name} ({m.kind.value}, {m.replicas} replica(s))" for m in config.models))
-    service = Service(config, RayDeployment(config))
+    if gw.processes > 1:
+        from gateway.processes import serve_processes
+
+        return serve_processes(config, ray_deployment, owner=not args.attach, log_level=args.log_level,
+                               access_log=args.access_log)
+    # One process. On a cluster (ray.address) the replicas are named actors, so that `tandem serve
+    # --attach` on other nodes can serve them too; locally they are anonymous, as always.
+    role = "attached" if args.attach else "owner" if config.ray.address else "solo"
+    service = Service(config, ray_deployment(config, role=role), attached=args.attach)
     logger.info("tandem listening on http://%s:%d/v1 (models load in the background; GET /ready)",
                 gw.host, gw.port)
     run_server(build_app(service), service, log_level=args.log_level, access_log=args.access_log)
     return 0
+
+
+def ray_deployment(config, role: str = "solo") -> RayDeployment:
+    """The replicas as Ray actors (module-level: the gateway processes unpickle it)."""
+    return RayDeployment(config, role=role)
 
 
 def cmd_build_tiny_models(args: argparse.Namespace) -> int:
@@ -83,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="FILE", help=f"YAML config (default: {DEFAULT_CONFIG})")
     serve.add_argument("--host", help="bind address (overrides gateway.host)")
     serve.add_argument("--port", type=int, help="port (overrides gateway.port)")
+    serve.add_argument("--processes", type=int, metavar="N", help="gateway processes sharing the port and the "
+                       "replicas (overrides gateway.processes; default 1)")
+    serve.add_argument("--attach", action="store_true", help="serve the replicas that the `tandem serve` of "
+                       "another node created and supervises, on the cluster of ray.address (one per node)")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
     serve.set_defaults(func=cmd_serve)
 

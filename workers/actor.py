@@ -123,9 +123,13 @@ class EngineActor:
         return {"node_id": node, "pid": os.getpid(), "incarnation": self.incarnation}
 
     async def stats(self) -> EngineStats:
+        """The engine's stats, plus the requests in flight here: in total and per channel (each
+        gateway process has its own channel: what the others put on this replica is its load)."""
         s = await self.engine.stats()
-        in_flight = sum(len(o.tasks) for o in self._channels.values())
-        return EngineStats(running=s.running, waiting=s.waiting, extra={**s.extra, "actor_in_flight": in_flight})
+        per_channel = {cid: len(o.tasks) for cid, o in self._channels.items()}
+        return EngineStats(running=s.running, waiting=s.waiting,
+                           extra={**s.extra, "actor_in_flight": sum(per_channel.values()),
+                                  "channel_in_flight": per_channel})
 
     async def shutdown(self) -> None:
         for outbox in list(self._channels.values()):

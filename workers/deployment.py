@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from pathlib import Path
 
 from tandem_core.config import ModelConfig, TandemConfig
+from tandem_core.errors import ErrorKind, TandemError
+from tandem_core.protocol import EngineInfo
 from workers.transport.handles import RayReplicaHandle
 
 logger = logging.getLogger(__name__)
+ATTACH_CALL_S = 10.0
 
 
 def resolve_source(model: ModelConfig, models_dir: Path) -> str:
@@ -26,12 +30,25 @@ def local_ray_cpus(config: TandemConfig) -> int:
     return max(int(needed + 0.999), os.cpu_count() or 1)
 
 
+def actor_name(replica_id: str) -> str:
+    """The Ray name (namespace ``tandem``) of a shared replica's actor."""
+    return f"tandem-replica:{replica_id}"
+
+
 class RayDeployment:
-    def __init__(self, config: TandemConfig, engine_key: str | None = None):
+    """``role``: ``solo`` (the default: one gateway process; unnamed actors, as always), ``owner``
+    (creates the replicas as named actors that other gateway processes attach to, and is the one
+    process that restarts them), ``attached`` (finds the owner's named actors and never creates,
+    restarts or kills one)."""
+
+    def __init__(self, config: TandemConfig, engine_key: str | None = None, role: str = "solo"):
         import ray
 
+        if role not in ("solo", "owner", "attached"):
+            raise ValueError(f"unknown deployment role {role!r}")
         self.config = config
         self.engine_key = engine_key  # tests: force an engine (e.g. "fake")
+        self.role = role
         self._actors: list = []
         if not ray.is_initialized():
             if config.ray.address:
@@ -42,11 +59,27 @@ class RayDeployment:
                 logger.info("starting a local Ray (%d CPUs)", cpus)
                 ray.init(num_cpus=cpus, include_dashboard=False, namespace="tandem")
 
+    @property
+    def owns_replicas(self) -> bool:
+        """Whether this process restarts (and finally shuts down) the replicas it reaches."""
+        return self.role != "attached"
+
+    def gcs_address(self) -> str:
+        """The Ray cluster's address, for the gateway processes that attach to it."""
+        import ray
+
+        return ray.get_runtime_context().gcs_address
+
     def create_replicas(self, model: ModelConfig) -> list[tuple[str, RayReplicaHandle]]:
-        """One actor per replica of ``model``: (replica id, its handle) each."""
+        """One actor per replica of ``model``: (replica id, its handle) each. Attached: the
+        owner's actors, found by name (waiting for the owner to create them)."""
         import ray
 
         from workers.actor import EngineActor
+
+        if self.role == "attached":
+            return [(f"{model.name}/{i}", AttachedReplicaHandle(actor_name(f"{model.name}/{i}")))
+                    for i in range(model.replicas)]
 
         source = resolve_source(model, self.config.models_dir)
         remote_cls = ray.remote(EngineActor)
@@ -60,6 +93,8 @@ class RayDeployment:
                        "scheduling_strategy": "SPREAD", "max_restarts": model.max_restarts, "max_task_retries": 0}
             if model.env:
                 options["runtime_env"] = {"env_vars": dict(model.env)}
+            if self.role == "owner":  # other gateway processes find it by name
+                options["name"] = actor_name(rid)
             actor = remote_cls.options(**options).remote(model.model_dump(mode="json"), source, rid, self.engine_key)
             self._actors.append(actor)
             replicas.append((rid, RayReplicaHandle(actor)))
@@ -83,9 +118,67 @@ class RayDeployment:
     def close(self) -> None:
         import ray
 
+        if self.role == "attached":  # the owner's actors: never killed here
+            return
         for actor in self._actors:
             try:
                 ray.kill(actor)
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self._actors.clear()
+
+
+class AttachedReplicaHandle(RayReplicaHandle):
+    """A replica that another gateway process owns (``RayDeployment`` role ``attached``): found
+    by its actor's name, used like any other, never started, restarted or killed from here.
+    ``start`` waits until the owner has started its engine; ``restart`` waits until the owner
+    has brought it back (a new incarnation, started), then reopens this process's channel."""
+
+    def __init__(self, name: str):
+        super().__init__(None)
+        self.name = name
+        self.incarnation: str | None = None
+
+    async def _resolve(self) -> None:
+        import ray
+
+        self.actor = await asyncio.to_thread(ray.get_actor, self.name, "tandem")
+
+    async def call(self, method: str, *args):
+        if self.actor is None:
+            await self._resolve()
+        return await super().call(method, *args)
+
+    async def _wait_started(self, old: str | None) -> EngineInfo:
+        """Poll until the actor's engine is started in an incarnation other than ``old``."""
+        from ray.exceptions import RayActorError
+
+        delay = 0.1
+        while True:
+            try:
+                await self._resolve()  # the owner may have created it anew (same name)
+                health = await asyncio.wait_for(self.call("health"), ATTACH_CALL_S)
+                if health.started and (old is None or health.incarnation != old):
+                    info = await self.call("start")  # started: the owner's answer, not a second engine
+                    self.incarnation = health.incarnation
+                    return info
+            except (ValueError, RayActorError, TimeoutError) as e:  # ValueError: no actor of that name yet
+                logger.debug("replica %s not there yet: %s", self.name, type(e).__name__)
+            await asyncio.sleep(delay)  # a poll interval while the owner brings it up
+            delay = min(delay * 2, 2.0)
+
+    async def start(self) -> EngineInfo:
+        info = await self._wait_started(None)
+        self._channel()
+        return info
+
+    async def restart(self, kill: bool) -> EngineInfo:
+        """``kill`` (it looked stuck): the same incarnation is taken back once it answers (the
+        owner kills it if it stays stuck); else (it died) only a new one."""
+        info = await self._wait_started(None if kill else self.incarnation)
+        self._reopen_channel()
+        return info
+
+    async def shutdown(self) -> None:
+        """Only this process's channel: the replica is the owner's."""
+        self.fail_in_flight(TandemError(ErrorKind.SHUTTING_DOWN, "the gateway is shutting down"))

@@ -1,0 +1,16 @@
+"""`tandem serve` with several gateway processes around fake engines in real Ray actors
+(``python -m tests.integration.processes_serve CONFIG``), for tests/integration/test_gateway_processes.py
+and tandem_tools/gateway_ceiling.py's kind of run."""
+
+import functools
+import sys
+
+from gateway.config import load_config
+from gateway.processes import serve_processes
+from tandem_tools.cli import _setup_logging
+from workers.deployment import RayDeployment
+
+if __name__ == "__main__":
+    _setup_logging("info")
+    config = load_config(sys.argv[1])
+    sys.exit(serve_processes(config, functools.partial(RayDeployment, engine_key="fake"), log_level="info"))

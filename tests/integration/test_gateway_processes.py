@@ -1,0 +1,197 @@
+"""Two gateway processes (`gateway.processes: 2`) in front of the same replicas: fake engines in
+real Ray actors, real processes, one shared listening socket.
+
+Which process takes a connection is the kernel's choice: every test finds out from the
+``x-tandem-gateway`` header and pins one keep-alive connection to each process (public /health
+requests on fresh connections until both pids are seen, bounded); nothing assumes a placement,
+and nothing waits on time (streams are held with the fake engine's control file)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import yaml
+
+from tests.unit.gateway_server import free_port
+from tests.waiting import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+TOKENS = 20
+KEY = "sk-test-processes-0123456789"
+PIN_TRIES = 200
+
+
+class Group:
+    def __init__(self, proc: subprocess.Popen, url: str, control: Path, log: Path):
+        self.proc, self.url, self.control, self.log = proc, url, control, log
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def ready(self) -> bool:
+        assert self.proc.poll() is None, f"the gateway exited early:\n{self.log_tail()}"
+        try:
+            return httpx.get(self.url + "/ready", timeout=30).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def pinned_clients(self, n: int = 2) -> dict[int, httpx.Client]:
+        """One keep-alive connection per gateway process: {pid: client}."""
+        found: dict[int, httpx.Client] = {}
+        for _ in range(PIN_TRIES):
+            c = httpx.Client(base_url=self.url, limits=httpx.Limits(max_connections=1), timeout=60)
+            pid = int(c.get("/health").headers["x-tandem-gateway"])
+            if pid in found:
+                c.close()
+            else:
+                found[pid] = c
+            if len(found) == n:
+                return found
+        raise AssertionError(f"saw only gateway processes {sorted(found)} in {PIN_TRIES} connections")
+
+    def replica_pids(self, client: httpx.Client | None = None) -> dict[str, int]:
+        rows = (client or httpx).get(self.url + "/admin/replicas", timeout=60).json()["replicas"]
+        return {r["id"]: r["pid"] for r in rows}
+
+    def running(self) -> int:
+        """Requests the engines hold (asked on a new connection: any process knows)."""
+        rows = httpx.get(self.url + "/admin/replicas", timeout=60).json()["replicas"]
+        return sum(r.get("engine", {}).get("running", 0) for r in rows)
+
+    def hold(self, pids) -> None:
+        self.control.write_text(json.dumps({str(p): "stall" for p in pids}))
+
+    def release(self) -> None:
+        self.control.write_text("{}")
+
+
+def _auth() -> dict:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+@contextmanager
+def gateway_group(tmp_path: Path, processes: int = 2, requests_per_minute: int | None = None):
+    port = free_port()
+    control = tmp_path / "control.json"
+    control.write_text("{}")
+    config = {
+        "gateway": {"host": "127.0.0.1", "port": port, "processes": processes, "health_interval_s": 0.5,
+                    "drain_timeout_s": 60, "stall_timeout_s": 600},
+        "ray": {"num_cpus": 2},
+        "auth": {"api_keys": [{"key": KEY, "name": "test", "requests_per_minute": requests_per_minute}],
+                 "public_paths": ["/health", "/metrics", "/admin/replicas"]},
+        "models": [{"name": "fake", "kind": "autoregressive", "source": "none", "replicas": 2,
+                    "resources": {"num_cpus": 0.5, "num_gpus": 0},
+                    "engine_args": {"num_tokens": TOKENS, "token_delay_s": 0.01, "control_file": str(control)}}],
+    }
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    log = tmp_path / "gateway.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.integration.processes_serve", str(cfg)], cwd=REPO,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    group = Group(proc, f"http://127.0.0.1:{port}", control, log)
+    try:
+        wait_for(group.ready, "the gateway processes to be ready", timeout=180)
+        yield group
+    finally:
+        group.release()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def _stream(client: httpx.Client) -> str:
+    """'ok' (the whole answer), 'error' (an error status or event), else 'broken: ...'."""
+    body = {"model": "fake", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    events = []
+    try:
+        with client.stream("POST", "/v1/chat/completions", json=body, headers=_auth()) as r:
+            if r.status_code != 200:
+                return "error"
+            for ln in r.iter_lines():
+                if ln.startswith("data: "):
+                    events.append(ln[6:])
+    except httpx.HTTPError as e:
+        return f"broken: {type(e).__name__}"
+    if events and events[-1] == "[DONE]" and sum("tok" in e for e in events) == TOKENS:
+        return "ok"
+    return "error" if any("error" in e for e in events) else f"broken: {events[-3:]}"
+
+
+def _held_streams(group: Group, clients: dict[int, httpx.Client], ex) -> dict[int, cf.Future]:
+    """Every replica held (no token, no finishing; health checks pass), then one stream through
+    each gateway process, until both are in the engines: in flight until ``release``."""
+    group.hold(group.replica_pids().values())
+    futures = {pid: ex.submit(_stream, c) for pid, c in clients.items()}
+    wait_for(lambda: group.running() == len(clients), "a stream from each process in the engines")
+    return futures
+
+
+def test_both_processes_serve_the_same_replicas_and_a_key_limit_holds_across_them(tmp_path):
+    with gateway_group(tmp_path, requests_per_minute=2) as group:
+        clients = group.pinned_clients()
+        (pa, a), (pb, b) = clients.items()
+        assert group.replica_pids(a) == group.replica_pids(b)  # the same actors
+        # A minute's budget of 2 requests (the next one refills in 30 s): one on each process,
+        # then the 3rd is refused whichever process takes it.
+        body = {"model": "fake", "prompt": "x"}
+        first = a.post("/v1/completions", json=body, headers=_auth())
+        second = b.post("/v1/completions", json=body, headers=_auth())
+        assert (first.status_code, second.status_code) == (200, 200), (first.text, second.text)
+        assert {first.headers["x-tandem-gateway"], second.headers["x-tandem-gateway"]} == {str(pa), str(pb)}
+        for c in (a, b):
+            refused = c.post("/v1/completions", json=body, headers=_auth())
+            assert refused.status_code == 429 and refused.headers.get("Retry-After"), refused.text
+        # The metrics of every process, summed, from either one.
+        for c in (a, b):
+            text = c.get("/metrics").text
+            assert 'tandem_requests_total{model="fake",route="/v1/completions",status="2xx"} 2.0' in text, text
+            assert 'tandem_requests_rejected_total{model="other",reason="rate_limited"} 2.0' in text, text
+
+
+def test_a_killed_gateway_process_loses_only_its_own_requests(tmp_path):
+    with gateway_group(tmp_path) as group, cf.ThreadPoolExecutor(4) as ex:
+        clients = group.pinned_clients()
+        (victim, _), (survivor, _) = clients.items()
+        futures = _held_streams(group, clients, ex)
+        os.kill(victim, signal.SIGKILL)
+        assert futures[victim].result(60).startswith("broken"), "the killed process's client must see it break"
+        group.release()
+        assert futures[survivor].result(60) == "ok"  # not lost, whole
+        # The survivor keeps serving, and the parent starts another process in the victim's place.
+        seen = set()
+        for _ in range(PIN_TRIES):
+            r = httpx.post(group.url + "/v1/completions", json={"model": "fake", "prompt": "x"}, headers=_auth(),
+                           timeout=60)
+            assert r.status_code == 200, r.text
+            seen.add(int(r.headers["x-tandem-gateway"]))
+            if survivor in seen and seen - {survivor, victim}:
+                break
+        assert survivor in seen and seen - {survivor, victim}, (seen, group.log_tail())
+
+
+def test_sigterm_drains_every_process(tmp_path):
+    with gateway_group(tmp_path) as group, cf.ThreadPoolExecutor(4) as ex:
+        clients, probes = group.pinned_clients(), group.pinned_clients()  # a stream's and a probe's connection
+        futures = _held_streams(group, clients, ex)
+        os.kill(group.proc.pid, signal.SIGTERM)
+        for pid, c in probes.items():  # each process: not ready, refuses new requests, keeps its stream
+            wait_for(lambda c=c: c.get("/ready").status_code == 503, f"process {pid} to turn not ready")
+            refused = c.post("/v1/completions", json={"model": "fake", "prompt": "x"}, headers=_auth())
+            assert refused.status_code == 503, refused.text
+        group.release()
+        assert [f.result(60) for f in futures.values()] == ["ok", "ok"]
+        assert group.proc.wait(120) == 0, group.log_tail()
