@@ -168,11 +168,22 @@ class RateLimiter:
         self.clock = clock
         self._requests: dict[str, TokenBucket] = {}
         self._tokens: dict[str, TokenBucket] = {}
+        self._names: list[str] = []  # the keys' order (``replace_buckets``)
         for k in keys:
+            self._names.append(k.name)
             if k.requests_per_minute is not None:
                 self._requests[k.name] = TokenBucket(k.requests_per_minute, k.requests_per_minute / 60)
             if k.tokens_per_minute is not None:
                 self._tokens[k.name] = TokenBucket(k.tokens_per_minute, k.tokens_per_minute / 60)
+
+    def replace_buckets(self, make: Callable[[int, str, float, float], TokenBucket]) -> None:
+        """Swap every bucket for ``make(key index, "requests" | "tokens", capacity, refill_per_s)``
+        (e.g. one held in a store shared by several gateway processes: ``gateway/shared_limits.py``)."""
+        for i, name in enumerate(self._names):
+            for kind, buckets in (("requests", self._requests), ("tokens", self._tokens)):
+                if name in buckets:
+                    old = buckets[name]
+                    buckets[name] = make(i, kind, old.capacity, old.refill_per_s)
 
     def check_request(self, key_name: str | None) -> None:
         """Called by AuthMiddleware once per authenticated request: takes one request from the
