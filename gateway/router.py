@@ -8,6 +8,19 @@ boundary). Optional session affinity (autoregressive): a request with a session 
 the key's own replica (rendezvous hashing) unless that replica is above ``load_factor`` times
 the average load, so prefix caches get hit without one hot session owning a replica.
 
+``routing: prefix`` (autoregressive): each replica has an approximate index of the prompts this
+gateway process routed there (``gateway/prefix.py``); a request goes to the replica holding the
+longest run of its prompt's leading blocks, among those within the same kind of load bound
+(``prefix_load_factor`` x the average, counting this request); among replicas with equally long
+matches, the prefix's own first choice (rendezvous hashing on the last matched block), so a
+prefix that spilled onto a second replica under load comes back to the first instead of
+alternating between them and filling both caches. No match anywhere: session affinity if the
+request has a key and affinity is on, else p2c. With both on, the prefix match wins (it is what
+the replica has seen, the session key only a proxy for it). A replica's index is emptied when
+its engine starts again (a new ``info`` or actor incarnation) or it is seen restarting,
+starting or failed: its cache is empty then. Load, everywhere loads are compared, is ``load +
+others_load``: what this gateway put there plus what other gateway processes did.
+
 Admission: ``max_in_flight`` requests per replica (None: no limit, the engine queues). When
 every replica is full the request waits in a bounded FIFO queue; when the queue is full it is
 refused at once with 429 and a ``Retry-After`` estimated from the queue length and the recent
@@ -23,14 +36,19 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.intake import Intake
+from gateway.prefix import BLOCK_CHARS, DEFAULT_INDEX_BLOCKS, PrefixIndex
 from gateway.replicas import Replica, ReplicaState
 from tandem_core.errors import ErrorKind, TandemError
 
 RATE_WINDOW_S = 30.0
+# Tokens a prefix block stands for (the gateway's estimate of 4 characters a token).
+TOKENS_PER_BLOCK = BLOCK_CHARS // 4
+# States in which a replica's engine (and its cache) is not the one the index describes.
+_CACHE_GONE = frozenset({ReplicaState.STARTING, ReplicaState.PENDING, ReplicaState.RESTARTING, ReplicaState.FAILED})
 
 
 def request_cost(kind: str, intake: Intake) -> float:
@@ -56,13 +74,15 @@ class _Waiter:
     cost: float
     key: str | None
     exclude: frozenset[str]
+    prefix: Sequence[int] = ()
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class ModelPool:
     def __init__(self, name: str, kind: str, replicas: list[Replica] | None = None,
                  max_in_flight: int | None = None, max_queue: int = 256, affinity_load_factor: float | None = None,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, routing: str = "p2c", prefix_load_factor: float = 1.25,
+                 prefix_index_blocks: int | None = None):
         self.name = name
         self.kind = kind
         self.replicas: list[Replica] = list(replicas or [])
@@ -70,6 +90,14 @@ class ModelPool:
         self.max_queue = max_queue
         self.affinity_load_factor = affinity_load_factor  # None: no session affinity
         self.rng = rng or random.Random()
+        if routing not in ("p2c", "prefix"):
+            raise ValueError(f"routing: p2c or prefix, not {routing!r}")
+        self.routing = routing if kind == "autoregressive" else "p2c"  # config refuses prefix on diffusion
+        self.prefix_load_factor = prefix_load_factor
+        # Blocks each replica's index holds; None: the engine's KV capacity (``kv_cache_tokens``
+        # in its info) in blocks, else ``DEFAULT_INDEX_BLOCKS``.
+        self.prefix_index_blocks = prefix_index_blocks
+        self._indexes: dict[str, PrefixIndex] = {}
         self._waiters: deque[_Waiter] = deque()
         self._completions: deque[float] = deque()
 
@@ -83,7 +111,13 @@ class ModelPool:
     def _has_room(self, r: Replica) -> bool:
         return self.max_in_flight is None or r.outstanding < self.max_in_flight
 
-    def _choose(self, cost: float, key: str | None, exclude: Iterable[str] = ()) -> Replica | None:
+    def prefix_blocks(self, intake: Intake) -> tuple[int, ...]:
+        """What ``acquire`` needs to route ``intake`` by prefix: its prompt's block hashes under
+        ``routing: prefix``, else () (nothing computed)."""
+        return intake.prefix_blocks() if self.routing == "prefix" else ()
+
+    def _choose(self, cost: float, key: str | None, exclude: Iterable[str] = (),
+                prefix: Sequence[int] = ()) -> Replica | None:
         """The replica for one more request now, or None if every healthy one is full.
         ``exclude`` (a retry's failed replica) is avoided when another one has room."""
         healthy = self.healthy()
@@ -92,6 +126,10 @@ class ModelPool:
         candidates = preferred or free
         if not candidates:
             return None
+        if prefix and self.routing == "prefix":
+            best = self._longest_prefix(candidates, healthy, cost, prefix)
+            if best is not None:
+                return best
         if key is not None and self.affinity_load_factor is not None:
             return self._affine(candidates, healthy, cost, key)
         if len(candidates) == 1:
@@ -103,9 +141,59 @@ class ModelPool:
         """Rendezvous hashing with bounded load: the key's first replica in its own order whose
         load is within ``load_factor`` x the average (counting this request; the least loaded
         replica always is, unless it is full)."""
-        bound = self.affinity_load_factor * (sum(r.load for r in healthy) + cost) / len(healthy)
+        bound = _bound(self.affinity_load_factor, healthy, cost)
         ordered = sorted(candidates, key=lambda r: _rendezvous(key, r.id), reverse=True)
-        return next((r for r in ordered if r.load <= bound), min(candidates, key=_score))
+        return next((r for r in ordered if _load(r) <= bound), min(candidates, key=_score))
+
+    def _longest_prefix(self, candidates: list[Replica], healthy: list[Replica], cost: float,
+                        prefix: Sequence[int]) -> Replica | None:
+        """Among the candidates within ``prefix_load_factor`` x the average load (counting this
+        request), the one whose index holds the most leading blocks of ``prefix``; on a tie, the
+        matched prefix's first in its rendezvous order. None when none holds any."""
+        self._forget_lost_caches()
+        bound = _bound(self.prefix_load_factor, healthy, cost)
+        best, best_blocks, best_rank = None, 0, 0
+        for r in candidates:
+            if _load(r) > bound:
+                continue
+            n = self._index(r).match(prefix)
+            if n == 0 or n < best_blocks:
+                continue
+            rank = hash((prefix[n - 1], r.id))  # per process, like the block hashes
+            if n > best_blocks or rank > best_rank:
+                best, best_blocks, best_rank = r, n, rank
+        return best
+
+    def _index(self, r: Replica) -> PrefixIndex:
+        """``r``'s prefix index, emptied (resized) when ``r`` runs another engine than the one it
+        describes: a restart sets a new ``info`` (every start does) and a new incarnation."""
+        index = self._indexes.get(r.id)
+        if index is not None and index.owner is not None:
+            info, incarnation = index.owner
+            if info is r.info and (incarnation is None or r.incarnation in (None, incarnation)):
+                if incarnation is None and r.incarnation is not None:
+                    index.owner = (info, r.incarnation)
+                return index
+        if self.prefix_index_blocks is not None:
+            size = self.prefix_index_blocks
+        else:
+            kv_tokens = r.info.extra.get("kv_cache_tokens") if r.info is not None else None
+            size = (max(1, int(kv_tokens) // TOKENS_PER_BLOCK) if isinstance(kv_tokens, int | float) and kv_tokens > 0
+                    else DEFAULT_INDEX_BLOCKS)
+        index = self._indexes[r.id] = PrefixIndex(size)
+        index.owner = (r.info, r.incarnation)
+        return index
+
+    def _forget_lost_caches(self) -> None:
+        """Empty the index of a replica seen (re)starting or failed: whatever it had cached is
+        gone. (UNHEALTHY keeps it: the same process, out of rotation for slow health checks.)"""
+        for r in self.replicas:
+            if r.state in _CACHE_GONE and r.id in self._indexes:
+                del self._indexes[r.id]
+
+    def prefix_index(self, replica_id: str) -> PrefixIndex | None:
+        """The prefix index of a replica (for /admin and tests); None before any prefix routing."""
+        return self._indexes.get(replica_id)
 
     def _no_replica_error(self) -> TandemError:
         states = {r.state for r in self.replicas}
@@ -129,22 +217,25 @@ class ModelPool:
                            retry_after=max(1, min(60, math.ceil(wait))))
 
     async def acquire(self, deadline_s: float | None = None, cost: float = 1.0, key: str | None = None,
-                      exclude: Iterable[str] = ()) -> Slot:
-        """A slot on a replica, counted there until ``release``. Raises 503 (no live replica),
-        429 (queue full) or 408 (waited past ``deadline_s``)."""
+                      exclude: Iterable[str] = (), prefix: Sequence[int] = ()) -> Slot:
+        """A slot on a replica, counted there until ``release``. ``prefix``: the prompt's block
+        hashes (``prefix_blocks``) under ``routing: prefix``. Raises 503 (no live replica), 429
+        (queue full) or 408 (waited past ``deadline_s``)."""
         exclude = frozenset(exclude)
         if not self._waiters:  # FIFO: nobody may overtake a waiter
-            replica = self._choose(cost, key, exclude)
+            replica = self._choose(cost, key, exclude, prefix)
             if replica is not None:
-                return self._take(replica, cost)
+                return self._take(replica, cost, prefix)
         self._no_live_replica()
         if len(self._waiters) >= self.max_queue:
             raise self._overloaded()
-        return await self._wait(_Waiter(cost, key, exclude), deadline_s)
+        return await self._wait(_Waiter(cost, key, exclude, prefix), deadline_s)
 
-    def _take(self, replica: Replica, cost: float) -> Slot:
+    def _take(self, replica: Replica, cost: float, prefix: Sequence[int] = ()) -> Slot:
         replica.outstanding += 1
         replica.load += cost
+        if prefix and self.routing == "prefix":
+            self._index(replica).insert(prefix)  # the engine will hold (at least) this prompt now
         return Slot(replica, cost)
 
     async def _wait(self, waiter: _Waiter, deadline_s: float | None) -> Slot:
@@ -182,11 +273,11 @@ class ModelPool:
             if waiter.future.done():  # cancelled or timed out; its own cleanup removes it
                 self._waiters.popleft()
                 continue
-            target = self._choose(waiter.cost, waiter.key, waiter.exclude)
+            target = self._choose(waiter.cost, waiter.key, waiter.exclude, waiter.prefix)
             if target is None:
                 return
             self._waiters.popleft()
-            waiter.future.set_result(self._take(target, waiter.cost))
+            waiter.future.set_result(self._take(target, waiter.cost, waiter.prefix))
 
     def fail_waiters_if_no_replica(self) -> None:
         """The model lost its last healthy replica: queued requests get the 503 a new one would
@@ -199,9 +290,20 @@ class ModelPool:
                 fut.set_exception(self._no_replica_error())
 
 
+def _load(r: Replica) -> float:
+    """What is in flight on ``r``: from this gateway process and from the others."""
+    return r.load + r.others_load
+
+
+def _bound(load_factor: float, healthy: list[Replica], cost: float) -> float:
+    """The bounded-load ceiling: ``load_factor`` x the average load, counting a request of
+    ``cost``. The least loaded healthy replica is always within it."""
+    return load_factor * (sum(_load(r) for r in healthy) + cost) / len(healthy)
+
+
 def _score(r: Replica) -> tuple[float, int]:
     # AR: capacity is 1, so this orders by tokens in flight; diffusion: by free batch rows.
-    return (r.load - r.capacity, r.outstanding)
+    return (_load(r) - r.capacity, r.outstanding)
 
 
 def _rendezvous(key: str, replica_id: str) -> int:

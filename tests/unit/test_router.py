@@ -214,3 +214,182 @@ def test_queued_requests_get_503_when_the_last_replica_fails():
             await asyncio.wait_for(waiter, 1)
         assert e.value.status == 503 and "restarting" in e.value.message and pool.queued == 0
     run(main())
+
+
+# ---------------------------------------------------------------- routing: prefix
+def _tenant(t: int, question: str = "What are your opening hours?") -> tuple[int, ...]:
+    system = f"Tenant {t}: you are the support assistant of organisation {t}. " * 30  # ~1,800 characters
+    body = {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    return _pool(ReplicaState.HEALTHY, routing="prefix").prefix_blocks(take_in(body, "chat"))
+
+
+def _prefix_pool(n=2, **kw):
+    return _pool(*[ReplicaState.HEALTHY] * n, routing="prefix", **kw)
+
+
+def test_prefix_blocks_only_under_prefix_routing():
+    body = take_in({"messages": [{"role": "user", "content": "x" * 2000}]}, "chat")
+    assert len(_pool(ReplicaState.HEALTHY, routing="prefix").prefix_blocks(body)) == 7
+    assert _pool(ReplicaState.HEALTHY).prefix_blocks(body) == ()  # p2c: nothing computed
+    assert _pool(ReplicaState.HEALTHY, kind="diffusion", routing="prefix").routing == "p2c"
+    with pytest.raises(ValueError, match="routing"):
+        _pool(ReplicaState.HEALTHY, routing="random")
+
+
+def test_a_shared_prefix_goes_to_the_replica_that_has_it():
+    async def main():
+        pool = _prefix_pool(4)
+        first = await pool.acquire(cost=500, prefix=_tenant(1))
+        pool.release(first)
+        for q in ("Where is my parcel?", "How do I reset my password?", "Do you ship abroad?"):
+            slot = await pool.acquire(cost=500, prefix=_tenant(1, q))  # same system prompt, other question
+            assert slot.replica is first.replica
+            pool.release(slot)
+        assert pool.prefix_index(first.replica.id).match(_tenant(1)) == len(_tenant(1))
+    run(main())
+
+
+def test_the_load_bound_sends_a_hot_prefix_elsewhere():
+    async def main():
+        pool = _prefix_pool(2)
+        hot = _tenant(1)
+        slots = []
+        for _ in range(40):  # all in flight at once
+            bound = 1.25 * (sum(r.load for r in pool.replicas) + 100) / 2  # 1.25 x average, counting this one
+            slots.append(await pool.acquire(cost=100, prefix=hot))
+            assert slots[-1].replica.load - 100 <= bound
+        home = slots[0].replica
+        assert slots[1].replica is home and slots[2].replica is not home  # 200 there > 1.25 x 300 / 2
+        split = Counter(s.replica.id for s in slots)
+        assert max(split.values()) * 100 <= 1.25 * 4000 / 2 + 100, split  # the bound, at the end too
+        # both now hold the prefix; one at a time, it goes to one of them (its rendezvous first),
+        # not alternately to both (which would keep it in two caches)
+        for s in slots:
+            pool.release(s)
+        sequential = set()
+        for _ in range(10):
+            slot = await pool.acquire(cost=100, prefix=hot)
+            sequential.add(slot.replica.id)
+            pool.release(slot)
+        assert len(sequential) == 1
+        # other gateway processes' load counts too: the same request now goes to the other replica
+        preferred = next(r for r in pool.replicas if r.id in sequential)
+        other = next(r for r in pool.replicas if r is not preferred)
+        preferred.others_load = 10_000
+        assert (await pool.acquire(cost=100, prefix=hot)).replica is other
+    run(main())
+
+
+def test_different_prefixes_spread_and_each_sticks():
+    async def main():
+        pool = _prefix_pool(2)
+        homes = {}
+        for t in range(16):  # first request of each tenant, all in flight: p2c spreads them
+            homes[t] = (await pool.acquire(cost=100, prefix=_tenant(t))).replica
+        assert sorted(Counter(r.id for r in homes.values()).values()) == [8, 8]
+        for r in pool.replicas:  # finish them all
+            r.outstanding, r.load = 0, 0.0
+        for rnd in range(3):
+            for t in range(16):
+                slot = await pool.acquire(cost=100, prefix=_tenant(t, f"question {rnd}"))
+                assert slot.replica is homes[t]
+                pool.release(slot)
+    run(main())
+
+
+def test_no_match_routes_like_p2c():
+    async def main():
+        prefix, p2c = _prefix_pool(4), _pool(*[ReplicaState.HEALTHY] * 4)
+        for i in range(50):  # the same rng draws: the same choices while nothing matches
+            a = await prefix.acquire(cost=10 + i % 7, prefix=_tenant(100 + i))
+            b = await p2c.acquire(cost=10 + i % 7)
+            assert a.replica.id == b.replica.id
+        c = await prefix.acquire(cost=10, prefix=())  # no full block (a short prompt): p2c too
+        assert c.replica.id == (await p2c.acquire(cost=10)).replica.id
+    run(main())
+
+
+def test_a_restarted_replica_starts_with_an_empty_index():
+    async def main():
+        pool = _prefix_pool(2)
+        slot = await pool.acquire(cost=10, prefix=_tenant(1))
+        pool.release(slot)
+        r = slot.replica
+        r.incarnation = "a"
+        assert (await pool.acquire(cost=10, prefix=_tenant(1))).replica is r  # the first incarnation seen: kept
+        assert pool.prefix_index(r.id).match(_tenant(1)) > 0
+        r.incarnation = "b"  # the actor was restarted: its engine and cache are new
+        pool._index(r)
+        assert pool.prefix_index(r.id).match(_tenant(1)) == 0
+        pool.release(await pool.acquire(cost=10, prefix=_tenant(2)))
+        home = next(x for x in pool.replicas if pool.prefix_index(x.id) and pool.prefix_index(x.id).match(_tenant(2)))
+        home.info = EngineInfo("m", "autoregressive")  # a new start (the supervisor sets a new info)
+        pool._index(home)
+        assert pool.prefix_index(home.id).match(_tenant(2)) == 0
+        pool.release(await pool.acquire(cost=10, prefix=_tenant(3)))
+        home = next(x for x in pool.replicas if pool.prefix_index(x.id) and pool.prefix_index(x.id).match(_tenant(3)))
+        home.state = ReplicaState.RESTARTING  # seen restarting: forgotten at the next routing
+        pool.release(await pool.acquire(cost=10, prefix=_tenant(4)))
+        assert pool.prefix_index(home.id) is None
+    run(main())
+
+
+def test_the_index_is_bounded_by_the_engines_kv_capacity():
+    async def main():
+        pool = _prefix_pool(1)
+        (r,) = pool.replicas
+        r.info = EngineInfo("m", "autoregressive", extra={"kv_cache_tokens": 64 * 50})  # 50 blocks of ~64 tokens
+        for t in range(40):
+            pool.release(await pool.acquire(cost=10, prefix=_tenant(t)))
+            assert len(pool.prefix_index(r.id)) <= 50
+        assert pool.prefix_index(r.id).max_blocks == 50
+        assert pool.prefix_index(r.id).match(_tenant(39)) == len(_tenant(39))  # the latest is kept
+        assert pool.prefix_index(r.id).match(_tenant(0)) == 0  # the oldest forgotten
+        fixed = _prefix_pool(1, prefix_index_blocks=7)
+        fixed.release(await fixed.acquire(cost=10, prefix=_tenant(0)))
+        assert len(fixed.prefix_index("m/0")) == 7
+    run(main())
+
+
+def test_prefix_and_affinity_together_the_prefix_wins_the_key_breaks_no_match():
+    async def main():
+        pool = _prefix_pool(4, affinity_load_factor=1.25)
+        keyed = _pool(*[ReplicaState.HEALTHY] * 4, affinity_load_factor=1.25)
+        # no match: the session key decides (as affinity alone would), not p2c
+        for t in range(8):
+            a = await pool.acquire(cost=10, key=f"s{t}", prefix=_tenant(t))
+            b = await keyed.acquire(cost=10, key=f"s{t}")
+            assert a.replica.id == b.replica.id
+            pool.release(a)
+            keyed.release(b)
+        # a match beats the key: tenant 0's prompt is cached where session s0 went, another
+        # session with that prompt follows the prompt, not its own key
+        home = next(r for r in pool.replicas if pool.prefix_index(r.id) and pool.prefix_index(r.id).match(_tenant(0)))
+        for i in range(100):  # a session whose own replica is another one
+            moved = f"x{i}"
+            if (await keyed.acquire(cost=0, key=moved)).replica.id != home.id:
+                break
+        assert (await pool.acquire(cost=10, key=moved, prefix=_tenant(0, "another question"))).replica is home
+    run(main())
+
+
+def test_a_queued_request_keeps_its_prefix():
+    async def main():
+        pool = _prefix_pool(2, max_in_flight=1)
+        pool.release(await pool.acquire(cost=10, prefix=_tenant(1)))
+        home = pool.replicas[[pool.prefix_index(r.id) is not None and pool.prefix_index(r.id).match(_tenant(1)) > 0
+                              for r in pool.replicas].index(True)]
+        busy = [await pool.acquire(cost=10, prefix=_tenant(t)) for t in (7, 8)]  # both replicas full
+        waiter = asyncio.ensure_future(pool.acquire(cost=10, prefix=_tenant(1, "later")))
+        await wait_queued(pool, 1)
+        pool.max_in_flight = 2  # room on both at once: the waiter's prefix decides
+        pool.wake()
+        assert (await waiter).replica is home
+        for s in busy:
+            pool.release(s)
+    run(main())
+
+
+async def wait_queued(pool, n):
+    while pool.queued < n:
+        await asyncio.sleep(0)
