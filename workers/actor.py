@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -43,6 +44,11 @@ class EngineActor:
         self.info: EngineInfo | None = None
         self.incarnation = uuid.uuid4().hex  # a restarted actor runs __init__ again: a new one
         self._channels: dict[str, Outbox] = {}
+        # Channels whose gateway renews a lease with each health check (attached gateway
+        # processes): id -> (last renewal, lease seconds). A gateway process killed outright
+        # cannot close its channel, and Ray does not end the stream of a dead caller: past its
+        # lease the channel is closed here and its requests aborted.
+        self._leases: dict[str, tuple[float, float]] = {}
         self._channel_opened = asyncio.Condition()  # binds to the loop on first use (3.10+)
         self._starting: asyncio.Future | None = None
 
@@ -72,7 +78,9 @@ class EngineActor:
                 yield batch
         finally:
             outbox.close()
-            self._channels.pop(channel_id, None)
+            if self._channels.get(channel_id) is outbox:  # not a newer one under the same id
+                del self._channels[channel_id]
+                self._leases.pop(channel_id, None)
 
     async def submit(self, channel_id: str, route: str, body: dict, request_id: str) -> None:
         """Start a request; its items (see ``tandem_core.protocol``) go out on the channel."""
@@ -100,14 +108,33 @@ class EngineActor:
         aborted = any([outbox.abort(request_id) for outbox in self._channels.values()])
         return await self.engine.abort(request_id) or aborted
 
-    async def health(self) -> ReplicaHealth:
-        """Called by the gateway's health loop. Raises if the engine says it cannot serve."""
+    async def health(self, channel_id: str | None = None, lease_s: float | None = None) -> ReplicaHealth:
+        """Called by the gateway's health loop. Raises if the engine says it cannot serve.
+        ``channel_id``, ``lease_s``: that gateway's channel lives ``lease_s`` more seconds."""
+        if channel_id is not None and lease_s is not None:
+            self._leases[channel_id] = (time.monotonic(), lease_s)
+        self._reap_channels()
         in_flight = sum(len(o.tasks) for o in self._channels.values())
         if self.info is None:
             return ReplicaHealth(self.incarnation, started=False, in_flight=in_flight, progress=0)
         await self.engine.check_health()
         stats = await self.engine.stats()
         return ReplicaHealth(self.incarnation, started=True, in_flight=in_flight, progress=stats.progress)
+
+    def _reap_channels(self) -> None:
+        now = time.monotonic()
+        for cid, (seen, lease) in list(self._leases.items()):
+            if now - seen > lease:
+                del self._leases[cid]
+                outbox = self._channels.get(cid)
+                if outbox is not None:
+                    logger.warning("replica %s: channel %s not renewed for %.0f s (its gateway is gone): closed, "
+                                   "%d request(s) aborted", self.replica_id, cid, now - seen, len(outbox.tasks))
+                    err = TandemError(ErrorKind.ENGINE_ERROR, "the gateway's channel to the replica lapsed (no "
+                                      f"health check for {now - seen:.0f} s): the request was aborted")
+                    for request_id in list(outbox.tasks):
+                        outbox.put(request_id, err)
+                    outbox.close()
 
     def node_id(self) -> str:
         """The Ray node this replica runs on (placement checks, /admin/replicas)."""

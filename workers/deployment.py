@@ -9,11 +9,12 @@ from pathlib import Path
 
 from tandem_core.config import ModelConfig, TandemConfig
 from tandem_core.errors import ErrorKind, TandemError
-from tandem_core.protocol import EngineInfo
+from tandem_core.protocol import EngineInfo, ReplicaHealth
 from workers.transport.handles import RayReplicaHandle
 
 logger = logging.getLogger(__name__)
 ATTACH_CALL_S = 10.0
+CHANNEL_LEASE_MIN_S = 30.0  # an attached gateway's channel outlives this many seconds without a health check
 
 
 def resolve_source(model: ModelConfig, models_dir: Path) -> str:
@@ -78,7 +79,9 @@ class RayDeployment:
         from workers.actor import EngineActor
 
         if self.role == "attached":
-            return [(f"{model.name}/{i}", AttachedReplicaHandle(actor_name(f"{model.name}/{i}")))
+            gw = self.config.gateway
+            lease = max(CHANNEL_LEASE_MIN_S, 10 * gw.health_interval_s)
+            return [(f"{model.name}/{i}", AttachedReplicaHandle(actor_name(f"{model.name}/{i}"), lease))
                     for i in range(model.replicas)]
 
         source = resolve_source(model, self.config.models_dir)
@@ -134,10 +137,10 @@ class AttachedReplicaHandle(RayReplicaHandle):
     ``start`` waits until the owner has started its engine; ``restart`` waits until the owner
     has brought it back (a new incarnation, started), then reopens this process's channel."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, lease_s: float = CHANNEL_LEASE_MIN_S):
         super().__init__(None)
         self.name = name
-        self.incarnation: str | None = None
+        self.lease_s = lease_s  # renewed by every health check (``EngineActor.health``)
 
     async def _resolve(self) -> None:
         import ray
@@ -149,8 +152,8 @@ class AttachedReplicaHandle(RayReplicaHandle):
             await self._resolve()
         return await super().call(method, *args)
 
-    async def _wait_started(self, old: str | None) -> EngineInfo:
-        """Poll until the actor's engine is started in an incarnation other than ``old``."""
+    async def _wait_started(self) -> EngineInfo:
+        """Poll until the actor's engine is started (the owner starts it)."""
         from ray.exceptions import RayActorError
 
         delay = 0.1
@@ -158,26 +161,34 @@ class AttachedReplicaHandle(RayReplicaHandle):
             try:
                 await self._resolve()  # the owner may have created it anew (same name)
                 health = await asyncio.wait_for(self.call("health"), ATTACH_CALL_S)
-                if health.started and (old is None or health.incarnation != old):
-                    info = await self.call("start")  # started: the owner's answer, not a second engine
-                    self.incarnation = health.incarnation
-                    return info
+                if health.started:
+                    return await self.call("start")  # started: the owner's answer, not a second engine
             except (ValueError, RayActorError, TimeoutError) as e:  # ValueError: no actor of that name yet
                 logger.debug("replica %s not there yet: %s", self.name, type(e).__name__)
             await asyncio.sleep(delay)  # a poll interval while the owner brings it up
             delay = min(delay * 2, 2.0)
 
     async def start(self) -> EngineInfo:
-        info = await self._wait_started(None)
+        info = await self._wait_started()
         self._channel()
         return info
 
     async def restart(self, kill: bool) -> EngineInfo:
-        """``kill`` (it looked stuck): the same incarnation is taken back once it answers (the
-        owner kills it if it stays stuck); else (it died) only a new one."""
-        info = await self._wait_started(None if kill else self.incarnation)
+        """Wait until the replica serves again, then reopen this process's channel. Whatever
+        incarnation answers is taken: a dead process answers nothing, and one the owner is
+        killing (it was stuck) breaks the channel again when it goes, and this repeats."""
+        info = await self._wait_started()
         self._reopen_channel()
         return info
+
+    async def health(self) -> ReplicaHealth:
+        """Also renews this process's channel lease on the replica."""
+        from ray.exceptions import RayActorError
+
+        try:
+            return await self.call("health", self.channel_id, self.lease_s)
+        except RayActorError as e:
+            raise TandemError(ErrorKind.ENGINE_DEAD, f"the replica's actor died: {type(e).__name__}") from e
 
     async def shutdown(self) -> None:
         """Only this process's channel: the replica is the owner's."""

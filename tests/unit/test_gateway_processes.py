@@ -16,7 +16,7 @@ from gateway.processes import bind_socket
 from gateway.replicas import Replica
 from gateway.shared_limits import SharedStore, create_shared_limits, share
 from gateway.supervisor import others_load
-from tandem_core.errors import RateLimited
+from tandem_core.errors import RateLimited, TandemError
 from tests.waiting import async_wait_for
 from workers.actor import EngineActor
 from workers.fake_engine import FakeEngine
@@ -127,3 +127,33 @@ def test_the_parent_socket_is_inherited_and_listening():
             conn.close()
     finally:
         sock.close()
+
+
+def test_a_channel_past_its_lease_is_closed_and_its_requests_end():
+    """A gateway process killed outright leaves its channel open on the replica (Ray does not end
+    a dead caller's stream): the lease its health checks renew runs out, the replica closes it and
+    aborts its requests; a channel that renews, or never took a lease, is untouched."""
+    async def main():
+        engine = FakeEngine("fake", {"num_tokens": 3})
+        engine.stall = True
+        actor = EngineActor({"name": "fake", "kind": "autoregressive", "source": "none"}, "none", "fake/0",
+                            engine=engine)
+        owner, alive, gone = (LocalReplicaHandle(actor) for _ in range(3))
+        for h in (owner, alive, gone):
+            await h.start()
+        body = {"model": "fake", "prompt": "x"}
+        streams = {h: h.generate("completions", body, f"r-{i}") for i, h in enumerate((owner, alive, gone))}
+        tasks = {h: asyncio.ensure_future(s.__anext__()) for h, s in streams.items()}
+        await async_wait_for(lambda: len(engine.running) == 3, "three requests in the engine")
+        await actor.health(alive.channel_id, 1000.0)
+        await actor.health(gone.channel_id, -1.0)  # a lease already over: reaped by this very call
+        item = await tasks[gone]  # the request ends with an error (nothing had streamed yet)
+        assert isinstance(item, TandemError) and "lapsed" in item.message, item
+        await async_wait_for(lambda: len(engine.running) == 2, "the gone channel's request aborted")
+        assert set(actor._channels) == {owner.channel_id, alive.channel_id}
+        for h in (owner, alive):
+            tasks[h].cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        await actor.shutdown()
+
+    asyncio.run(main())
