@@ -14,12 +14,15 @@ longest run of its prompt's leading blocks, among those within the same kind of 
 (``prefix_load_factor`` x the average, counting this request); among replicas with equally long
 matches, the prefix's own first choice (rendezvous hashing on the last matched block), so a
 prefix that spilled onto a second replica under load comes back to the first instead of
-alternating between them and filling both caches. No match anywhere: session affinity if the
-request has a key and affinity is on, else p2c. With both on, the prefix match wins (it is what
-the replica has seen, the session key only a proxy for it). A replica's index is emptied when
-its engine starts again (a new ``info`` or actor incarnation) or it is seen restarting,
-starting or failed: its cache is empty then. Load, everywhere loads are compared, is ``load +
-others_load``: what this gateway put there plus what other gateway processes did.
+alternating between them and filling both caches. A request weighs its uncached tokens where its
+prefix is cached (the cached blocks are shared, not computed again): in-flight requests of
+cached tenants do not push each other off their replica; their output still counts. No match
+anywhere: session affinity if the request has a key and affinity is on, else p2c. With both on,
+the prefix match wins (it is what the replica has seen, the session key only a proxy for it). A
+replica's index is emptied when its engine starts again (a new ``info`` or actor incarnation) or
+it is seen restarting, starting or failed: its cache is empty then. Load, everywhere loads are
+compared, is ``load + others_load``: what this gateway put there plus what other gateway
+processes did.
 
 Admission: ``max_in_flight`` requests per replica (None: no limit, the engine queues). When
 every replica is full the request waits in a bounded FIFO queue; when the queue is full it is
@@ -232,10 +235,14 @@ class ModelPool:
         return await self._wait(_Waiter(cost, key, exclude, prefix), deadline_s)
 
     def _take(self, replica: Replica, cost: float, prefix: Sequence[int] = ()) -> Slot:
+        if prefix and self.routing == "prefix":
+            index = self._index(replica)
+            # The cached part of the prompt is neither computed again nor held twice (requests
+            # share its KV blocks): the request weighs its uncached tokens and its output there.
+            cost = max(1.0, cost - index.match(prefix) * TOKENS_PER_BLOCK)
+            index.insert(prefix)  # the engine will hold (at least) this prompt now
         replica.outstanding += 1
         replica.load += cost
-        if prefix and self.routing == "prefix":
-            self._index(replica).insert(prefix)  # the engine will hold (at least) this prompt now
         return Slot(replica, cost)
 
     async def _wait(self, waiter: _Waiter, deadline_s: float | None) -> Slot:

@@ -253,22 +253,27 @@ def test_the_load_bound_sends_a_hot_prefix_elsewhere():
     async def main():
         pool = _prefix_pool(2)
         hot = _tenant(1)
+        body = take_in({"messages": [{"role": "user", "content": "y" * 1800}], "max_tokens": 256}, "chat")
+        cost = request_cost("autoregressive", body)  # 450 prompt tokens + 256 output
         slots = []
         for _ in range(40):  # all in flight at once
-            bound = 1.25 * (sum(r.load for r in pool.replicas) + 100) / 2  # 1.25 x average, counting this one
-            slots.append(await pool.acquire(cost=100, prefix=hot))
-            assert slots[-1].replica.load - 100 <= bound
+            bound = 1.25 * (sum(r.load for r in pool.replicas) + cost) / 2  # 1.25 x average, counting this one
+            slots.append(await pool.acquire(cost=cost, prefix=hot))
+            assert slots[-1].replica.load - slots[-1].cost <= bound
         home = slots[0].replica
-        assert slots[1].replica is home and slots[2].replica is not home  # 200 there > 1.25 x 300 / 2
-        split = Counter(s.replica.id for s in slots)
-        assert max(split.values()) * 100 <= 1.25 * 4000 / 2 + 100, split  # the bound, at the end too
+        # a request whose prefix is cached weighs its uncached tokens and output, not its prompt
+        assert slots[0].cost == cost and slots[1].replica is home and cost - 7 * 64 <= slots[1].cost < cost
+        assert any(s.replica is not home for s in slots[:4])  # the output still counts: it spills early
+        loads = [r.load for r in pool.replicas]
+        assert max(loads) <= 1.25 * sum(loads) / 2 + cost, loads  # the bound holds at the end too
         # both now hold the prefix; one at a time, it goes to one of them (its rendezvous first),
         # not alternately to both (which would keep it in two caches)
         for s in slots:
             pool.release(s)
+        assert all(r.load == 0 for r in pool.replicas)
         sequential = set()
         for _ in range(10):
-            slot = await pool.acquire(cost=100, prefix=hot)
+            slot = await pool.acquire(cost=cost, prefix=hot)
             sequential.add(slot.replica.id)
             pool.release(slot)
         assert len(sequential) == 1
@@ -276,7 +281,7 @@ def test_the_load_bound_sends_a_hot_prefix_elsewhere():
         preferred = next(r for r in pool.replicas if r.id in sequential)
         other = next(r for r in pool.replicas if r is not preferred)
         preferred.others_load = 10_000
-        assert (await pool.acquire(cost=100, prefix=hot)).replica is other
+        assert (await pool.acquire(cost=cost, prefix=hot)).replica is other
     run(main())
 
 
