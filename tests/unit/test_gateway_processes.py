@@ -157,3 +157,12 @@ def test_a_channel_past_its_lease_is_closed_and_its_requests_end():
         await actor.shutdown()
 
     asyncio.run(main())
+
+
+def test_serve_refuses_bad_process_options(capsys):
+    from tandem_tools.cli import main
+
+    assert main(["serve", "--processes", "0"]) == 2
+    assert "--processes must be at least 1" in capsys.readouterr().err
+    assert main(["serve", "--attach"]) == 2  # the default config starts a local Ray: nothing to attach to
+    assert "set ray.address" in capsys.readouterr().err
