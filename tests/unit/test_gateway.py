@@ -1,6 +1,7 @@
 """The gateway app against fake engines: routing, the error envelope, streaming, disconnects."""
 
 import json
+import socket
 
 import httpx
 import openai
@@ -232,3 +233,35 @@ def test_queue_deadline_header_sheds_with_408():
         engine.stall = False
         t.join(60)
         assert not t.is_alive()
+
+
+def test_a_finished_request_sends_no_abort_to_its_replica():
+    """The gateway stops reading at the last item ([DONE], a whole body, an error): that must not
+    cost an abort round trip to the replica per request. A client that leaves early still aborts:
+    its abort, sent after the finished ones', is the moment to check that none came before it."""
+    with fake_gateway({"num_tokens": 3}) as (url, service, dep):
+        handle = service.router.all_replicas()[0].handle
+        calls: list[tuple] = []
+        real_call = handle.call
+
+        async def spy(method, *args):
+            calls.append((method, *args))
+            return await real_call(method, *args)
+
+        handle.call = spy
+        chat = {"model": "fake", "messages": [{"role": "user", "content": "x"}]}
+        assert httpx.post(url + "/v1/chat/completions", json=chat).status_code == 200
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**chat, "stream": True}) as r:
+            assert "data: [DONE]" in list(r.iter_lines())
+        assert httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": -1}).status_code == 400
+        before = sum(m == "submit" for m, *_ in calls)
+        dep.engines[next(iter(dep.engines))].stall = True  # the sentinel: held until its client leaves
+        body = json.dumps({**chat, "stream": True}).encode()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:  # a client we can make leave at will
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            wait_for(lambda: sum(m == "submit" for m, *_ in calls) == before + 1, "the held request reaches the replica")
+        wait_for(lambda: any(m == "abort" for m, *_ in calls), "the gone client's request to be aborted")
+        submitted = [a[-1] for m, *a in calls if m == "submit"]
+        assert [a[-1] for m, *a in calls if m == "abort"] == [submitted[-1]], calls

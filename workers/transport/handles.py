@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tandem_core.errors import ErrorKind, TandemError, request_timeout
-from tandem_core.protocol import EngineInfo, EngineStats, Item, ReplicaHealth
+from tandem_core.protocol import DONE, EngineInfo, EngineStats, Item, ReplicaHealth
 from workers.transport.channel import END, Demux, items_of
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,8 @@ class ChannelReplicaHandle:
             except Exception as e:  # noqa: BLE001
                 raise self._dead(e) from e
             async for item in items_of(queue):
+                if finished is not None and _is_last(item):
+                    finished = True  # the engine is done with it: closing now needs no abort
                 yield item
             if finished is not None:
                 finished = True
@@ -239,3 +241,10 @@ class RayReplicaHandle(ChannelReplicaHandle):
             return TandemError(ErrorKind.ENGINE_DEAD, "the replica serving this request died")
         logger.error("replica call failed: %s: %s", type(exc).__name__, exc)
         return TandemError(ErrorKind.ENGINE_ERROR, "the replica failed on this request")
+
+
+def _is_last(item: Item) -> bool:
+    """An item after which the engine sends nothing more for the request (``tandem_core.protocol``):
+    a whole response, an error, or the ``[DONE]`` event. The gateway stops reading there, so
+    without this every finished request would also send an abort to the replica."""
+    return isinstance(item, dict | TandemError) or (isinstance(item, str) and item.endswith(DONE))
