@@ -66,6 +66,11 @@ class Group:
         rows = httpx.get(self.url + "/admin/replicas", timeout=60).json()["replicas"]
         return sum(r.get("engine", {}).get("running", 0) for r in rows)
 
+    def channels(self) -> dict[str, set[str]]:
+        """Each replica's open channels (one per gateway process, and the parent's)."""
+        rows = httpx.get(self.url + "/admin/replicas", timeout=60).json()["replicas"]
+        return {r["id"]: set(r["engine"]["channel_in_flight"]) for r in rows}
+
     def hold(self, pids) -> None:
         self.control.write_text(json.dumps({str(p): "stall" for p in pids}))
 
@@ -167,6 +172,8 @@ def test_a_killed_gateway_process_loses_only_its_own_requests(tmp_path):
         clients = group.pinned_clients()
         (victim, _), (survivor, _) = clients.items()
         futures = _held_streams(group, clients, ex)
+        before = group.channels()
+        assert all(len(c) == 3 for c in before.values()), before  # the parent's and each process's
         os.kill(victim, signal.SIGKILL)
         assert futures[victim].result(60).startswith("broken"), "the killed process's client must see it break"
         group.release()
@@ -181,6 +188,9 @@ def test_a_killed_gateway_process_loses_only_its_own_requests(tmp_path):
             if survivor in seen and seen - {survivor, victim}:
                 break
         assert survivor in seen and seen - {survivor, victim}, (seen, group.log_tail())
+        # The replicas drop the dead process's channel once its lease (renewed by health checks) lapses.
+        wait_for(lambda: all(len(before[r] & now) == 2 for r, now in group.channels().items()),
+                 "the killed process's channels to be closed on the replicas", timeout=180)
 
 
 def test_sigterm_drains_every_process(tmp_path):
