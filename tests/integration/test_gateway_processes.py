@@ -32,6 +32,7 @@ PIN_TRIES = 200
 class Group:
     def __init__(self, proc: subprocess.Popen, url: str, control: Path, log: Path):
         self.proc, self.url, self.control, self.log = proc, url, control, log
+        self.health_requests = 0
 
     def log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
@@ -49,6 +50,7 @@ class Group:
         for _ in range(PIN_TRIES):
             c = httpx.Client(base_url=self.url, limits=httpx.Limits(max_connections=1), timeout=60)
             pid = int(c.get("/health").headers["x-tandem-gateway"])
+            self.health_requests += 1
             if pid in found:
                 c.close()
             else:
@@ -83,7 +85,8 @@ def _auth() -> dict:
 
 
 @contextmanager
-def gateway_group(tmp_path: Path, processes: int = 2, requests_per_minute: int | None = None):
+def gateway_group(tmp_path: Path, processes: int = 2, requests_per_minute: int | None = None,
+                  metrics_port: int | None = None):
     port = free_port()
     control = tmp_path / "control.json"
     control.write_text("{}")
@@ -91,6 +94,7 @@ def gateway_group(tmp_path: Path, processes: int = 2, requests_per_minute: int |
         "gateway": {"host": "127.0.0.1", "port": port, "processes": processes, "health_interval_s": 0.5,
                     "drain_timeout_s": 60, "stall_timeout_s": 600},
         "ray": {"num_cpus": 2},
+        "metrics": {"port": metrics_port},
         "auth": {"api_keys": [{"key": KEY, "name": "test", "requests_per_minute": requests_per_minute}],
                  "public_paths": ["/health", "/metrics", "/admin/replicas"]},
         "models": [{"name": "fake", "kind": "autoregressive", "source": "none", "replicas": 2,
@@ -194,8 +198,13 @@ def test_a_killed_gateway_process_loses_only_its_own_requests(tmp_path):
 
 
 def test_sigterm_drains_every_process(tmp_path):
-    with gateway_group(tmp_path) as group, cf.ThreadPoolExecutor(4) as ex:
+    metrics_port = free_port()
+    with gateway_group(tmp_path, metrics_port=metrics_port) as group, cf.ThreadPoolExecutor(4) as ex:
         clients, probes = group.pinned_clients(), group.pinned_clients()  # a stream's and a probe's connection
+        # The one metrics port (the parent's) sums every process's counters.
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=60).text
+        line = f'tandem_requests_total{{model="other",route="/health",status="2xx"}} {float(group.health_requests)}'
+        assert line in text, text
         futures = _held_streams(group, clients, ex)
         os.kill(group.proc.pid, signal.SIGTERM)
         for pid, c in probes.items():  # each process: not ready, refuses new requests, keeps its stream
