@@ -223,7 +223,11 @@ def run_setup(routing: str, args, model_path: str, workdir: Path, load: list[Req
                     args.port, "/ready", workdir / f"tandem-{routing}.log", env)
     base = f"http://127.0.0.1:{args.port}"
     with server:
-        server.wait_ready(args.ready_timeout)
+        try:
+            server.wait_ready(args.ready_timeout)
+        except RuntimeError as e:  # the temporary directory and its log go with the run: show the tail
+            tail = "\n".join(server.log.read_text(errors="replace").splitlines()[-30:])
+            raise RuntimeError(f"{e}\n{tail}") from None
         before = replica_counters(base)
         cpu0 = sum(procstat.cpu_s(p) for p in procstat.tree(server.proc.pid))
         results, wall = asyncio.run(send(base, load, args.streams, timeout_s=args.ready_timeout))
