@@ -67,10 +67,13 @@ class EngineActor:
         self.info = dataclasses.replace(info, routes=served_routes(self.engine))
         return self.info
 
-    async def open_channel(self, channel_id: str) -> AsyncIterator[Batch]:
-        """A long-lived stream of batches for every request submitted on ``channel_id``."""
+    async def open_channel(self, channel_id: str, lease_s: float | None = None) -> AsyncIterator[Batch]:
+        """A long-lived stream of batches for every request submitted on ``channel_id``.
+        ``lease_s``: it lives that long, and as long again after each renewal (``health``)."""
         outbox = Outbox()
         self._channels[channel_id] = outbox
+        if lease_s is not None:
+            self._leases[channel_id] = (time.monotonic(), lease_s)
         async with self._channel_opened:
             self._channel_opened.notify_all()
         try:
@@ -135,6 +138,7 @@ class EngineActor:
                     for request_id in list(outbox.tasks):
                         outbox.put(request_id, err)
                     outbox.close()
+                    del self._channels[cid]  # its stream may never resume to do it: its caller is dead
 
     def node_id(self) -> str:
         """The Ray node this replica runs on (placement checks, /admin/replicas)."""

@@ -181,6 +181,11 @@ class AttachedReplicaHandle(RayReplicaHandle):
         self._reopen_channel()
         return info
 
+    def stream(self, method: str, *args):
+        if method == "open_channel":  # the channel's lease starts with it
+            args = (*args, self.lease_s)
+        return super().stream(method, *args)
+
     async def health(self) -> ReplicaHealth:
         """Also renews this process's channel lease on the replica."""
         from ray.exceptions import RayActorError
