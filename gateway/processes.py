@@ -69,8 +69,10 @@ def _die_with_parent() -> None:
 
 
 def child_main(config: TandemConfig, make_deployment: Callable[..., Any], sock: socket.socket, index: int,
-               log_level: str, access_log: bool, shared_limits_path: str | None) -> None:
-    """One gateway process: attach to the owner's replicas, serve on the inherited socket."""
+               log_level: str, access_log: bool, shared_limits_path: str | None, replacement: bool = False) -> None:
+    """One gateway process: attach to the owner's replicas, serve on the inherited socket. A
+    ``replacement`` (of a process that died) accepts connections only once its replicas are
+    ready: the live processes take them meanwhile."""
     _die_with_parent()
     logging.basicConfig(level=getattr(logging, log_level.upper()),
                         format=f"%(asctime)s %(levelname)s [gw{index} %(process)d] %(name)s: %(message)s")
@@ -78,7 +80,7 @@ def child_main(config: TandemConfig, make_deployment: Callable[..., Any], sock: 
     from gateway.server import run_server
     from gateway.service import Service
 
-    service = Service(config, make_deployment(config, role="attached"), attached=True)
+    service = Service(config, make_deployment(config, role="attached"), attached=True, ready_before_serving=replacement)
     app = build_app(service)
     if shared_limits_path is not None:
         from gateway.shared_limits import share
@@ -102,8 +104,9 @@ class ProcessGroup:
         self._backoff = [RESPAWN_BACKOFF_S[0]] * self.n
         self.stopping = False
 
-    def spawn(self, i: int) -> None:
-        p = self._ctx.Process(target=child_main, args=(*self._args, i, *self._rest), name=f"tandem-gateway-{i}")
+    def spawn(self, i: int, replacement: bool = False) -> None:
+        p = self._ctx.Process(target=child_main, args=(*self._args, i, *self._rest, replacement),
+                              name=f"tandem-gateway-{i}")
         p.start()
         self.procs[i], self._started_at[i] = p, time.monotonic()
         logger.info("gateway process %d: pid %d", i, p.pid)
@@ -127,7 +130,7 @@ class ProcessGroup:
         self._backoff[i] = RESPAWN_BACKOFF_S[0] if lived > RESPAWN_BACKOFF_S[1] else \
             min(self._backoff[i] * 2, RESPAWN_BACKOFF_S[1])
         delay = 0.0 if lived > RESPAWN_BACKOFF_S[1] else self._backoff[i]
-        loop.call_later(delay, lambda: None if self.stopping else self.spawn(i))
+        loop.call_later(delay, lambda: None if self.stopping else self.spawn(i, replacement=True))
 
     async def stop(self) -> None:
         """SIGTERM to each: each drains (up to drain_timeout_s) and exits; then the stragglers are killed."""

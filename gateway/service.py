@@ -16,19 +16,27 @@ from tandem_core.config import TandemConfig
 
 logger = logging.getLogger(__name__)
 
+READY_WAIT_S = 120.0  # see ``Service.ready_before_serving``
+
 
 class Service:
     """``attached``: another process owns the replicas (``gateway/processes.py``); this one
-    serves requests on them but never restarts or shuts one down, and runs no metrics port."""
+    serves requests on them but never restarts or shuts one down, and runs no metrics port.
+    ``ready_before_serving``: ``start`` returns only once every model can serve (up to
+    ``READY_WAIT_S``), so that a gateway process started in place of a dead one, sharing the
+    listening socket with live ones, takes no connection it could only answer with 503."""
 
-    def __init__(self, config: TandemConfig, deployment: Deployment, attached: bool = False):
+    def __init__(self, config: TandemConfig, deployment: Deployment, attached: bool = False,
+                 ready_before_serving: bool = False):
         self.config = config
         self.deployment = deployment
         self.attached = attached
+        self.ready_before_serving = ready_before_serving
         self.router = Router([
             ModelPool(m.name, m.kind.value, max_in_flight=m.max_in_flight_per_replica,
                       max_queue=config.gateway.max_queue,
-                      affinity_load_factor=m.session_affinity.load_factor if m.session_affinity.enabled else None)
+                      affinity_load_factor=m.session_affinity.load_factor if m.session_affinity.enabled else None,
+                      routing=m.routing)
             for m in config.models])
         self.draining = False
         self.started_at = time.monotonic()
@@ -48,6 +56,13 @@ class Service:
             self._metrics_server, _ = start_http_server(self.config.metrics.port, self.config.metrics.host,
                                                         registry=self.metrics.exposition)
             logger.info("metrics on http://%s:%d/metrics", self.config.metrics.host, self.config.metrics.port)
+        if self.ready_before_serving:
+            deadline = time.monotonic() + READY_WAIT_S
+            while not self.router.ready() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if not self.router.ready():
+                logger.warning("not every model is ready after %.0f s: serving anyway (/ready says which)",
+                               READY_WAIT_S)
 
     def in_flight(self) -> int:
         return sum(r.outstanding for r in self.router.all_replicas())
