@@ -13,7 +13,7 @@ from gateway.config import ConfigError, load_config
 from gateway.server import run_server
 from gateway.service import Service
 from tandem_core.config import DEFAULT_CONFIG
-from tandem_tools import bench, bench_diffusion
+from tandem_tools import bench, bench_diffusion, bench_prefix
 from workers import tiny_models
 from workers.deployment import RayDeployment
 
@@ -81,6 +81,8 @@ def cmd_build_tiny_models(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.mode == "diffusion":
         return bench_diffusion.main(args)
+    if args.mode == "prefix":
+        return bench_prefix.main(args)
     return bench.main(args)
 
 
@@ -127,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "row boundaries) against HF generate(), sequential and static batches.")
     bench.add_arguments(bench_parser)
     bench_diffusion.add_arguments(bench_parser)
+    bench_prefix.add_arguments(bench_parser)
     bench_parser.set_defaults(func=cmd_bench)
     return parser
 

@@ -265,3 +265,21 @@ def test_a_finished_request_sends_no_abort_to_its_replica():
         wait_for(lambda: any(m == "abort" for m, *_ in calls), "the gone client's request to be aborted")
         submitted = [a[-1] for m, *a in calls if m == "submit"]
         assert [a[-1] for m, *a in calls if m == "abort"] == [submitted[-1]], calls
+
+
+def test_prefix_routing_through_the_gateway_sends_each_tenant_back_to_its_replica():
+    """`routing: prefix` end to end (fake engines, 2 replicas): each tenant's requests, which share
+    a long system prompt, land where its first one went (the `x-tandem-replica` header says
+    where), and the tenants do not all pile onto one replica."""
+    with fake_gateway({"num_tokens": 2}, replicas=2, extra={"model_fields": {"routing": "prefix"}}) as (url, _, _):
+        def replica(tenant: int, question: str) -> str:
+            system = f"tenant {tenant}: " + "-".join(f"rule{tenant}.{i}" for i in range(120))  # ~1 kB: 4 blocks, one word
+            r = httpx.post(url + "/v1/chat/completions", json={"model": "fake", "messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": question}]})
+            assert r.status_code == 200, r.text
+            return r.headers["x-tandem-replica"]
+
+        first = {t: replica(t, "hello?") for t in range(8)}
+        again = {t: replica(t, f"question {q} for {t}") for q in range(3) for t in range(8)}
+        assert again == first
+        assert len(set(first.values())) == 2, first
