@@ -164,6 +164,8 @@ def test_both_processes_serve_the_same_replicas_and_a_key_limit_holds_across_the
         clients = group.pinned_clients()
         (pa, a), (pb, b) = clients.items()
         assert group.replica_pids(a) == group.replica_pids(b)  # the same actors
+        # at nice 0, not Ray's default 15 for workers (their output stalled under load)
+        assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in group.replica_pids(a).values()} == {0}
         # A minute's budget of 1 request (the next one refills in 60 s, far longer than these
         # three requests take): served on one process, then refused on each, the other first.
         body = {"model": "fake", "prompt": "x"}
