@@ -27,7 +27,7 @@ async def replica_stats(router: Router) -> list[dict]:
 
     async def one(r: Replica) -> dict:
         row = {"id": r.id, "model": r.model, "state": r.state.value, "outstanding": r.outstanding,
-               "load": r.load, "restarts": r.restarts, "error": r.last_error}
+               "load": r.load, "others_load": r.others_load, "restarts": r.restarts, "error": r.last_error}
         if r.state.live:
             try:
                 s = await asyncio.wait_for(r.handle.stats(), timeout=5)
