@@ -214,6 +214,11 @@ class GatewayConfig(_Strict):
                            "beyond, 429 with Retry-After.")
     drain_timeout_s: float = Field(30, ge=0, description="On SIGTERM: how long in-flight requests may take to "
                                    "finish (readiness is false and new requests are refused meanwhile).")
+    channel: Literal["socket", "ray"] = Field(
+        "socket",
+        description="How requests and their tokens travel between a gateway process and a replica: `socket` "
+        "(one TCP connection per gateway process and replica; Ray still places, starts, health-checks and "
+        "restarts the replica) or `ray` (one Ray streaming call per gateway process and replica).")
     avoid_engine_cores: bool = Field(
         True,
         description="On CPU nodes, keep the gateway off the cores vLLM's CPU worker is pinned to (replica "

@@ -86,7 +86,8 @@ class RayDeployment:
         if self.role == "attached":
             gw = self.config.gateway
             lease = max(CHANNEL_LEASE_MIN_S, 10 * gw.health_interval_s)
-            return [(f"{model.name}/{i}", AttachedReplicaHandle(actor_name(f"{model.name}/{i}"), lease))
+            return [(f"{model.name}/{i}", AttachedReplicaHandle(actor_name(f"{model.name}/{i}"), lease,
+                                                                channel=gw.channel))
                     for i in range(model.replicas)]
 
         source = resolve_source(model, self.config.models_dir)
@@ -105,7 +106,7 @@ class RayDeployment:
                 options["name"] = actor_name(rid)
             actor = remote_cls.options(**options).remote(model.model_dump(mode="json"), source, rid, self.engine_key)
             self._actors.append(actor)
-            replicas.append((rid, RayReplicaHandle(actor)))
+            replicas.append((rid, RayReplicaHandle(actor, channel=self.config.gateway.channel)))
         return replicas
 
     def placement_problem(self, model: ModelConfig) -> str | None:
@@ -142,8 +143,8 @@ class AttachedReplicaHandle(RayReplicaHandle):
     ``start`` waits until the owner has started its engine; ``restart`` waits until the owner
     has brought it back (a new incarnation, started), then reopens this process's channel."""
 
-    def __init__(self, name: str, lease_s: float = CHANNEL_LEASE_MIN_S):
-        super().__init__(None)
+    def __init__(self, name: str, lease_s: float = CHANNEL_LEASE_MIN_S, channel: str = "socket"):
+        super().__init__(None, channel=channel)
         self.name = name
         self.lease_s = lease_s  # renewed by every health check (``EngineActor.health``)
 

@@ -172,9 +172,10 @@ class LocalReplicaHandle(ChannelReplicaHandle):
 class RayReplicaHandle(ChannelReplicaHandle):
     """An ``EngineActor`` in the Ray cluster."""
 
-    def __init__(self, actor):
+    def __init__(self, actor, channel: str = "socket"):
         super().__init__()
         self.actor = actor
+        self.channel_kind = channel  # GatewayConfig.channel: "socket" or "ray"
 
     async def call(self, method: str, *args):
         return await getattr(self.actor, method).remote(*args)
