@@ -30,6 +30,7 @@ from tandem_core.protocol import (
 )
 from workers.registry import create_engine
 from workers.transport.channel import Batch, Outbox
+from workers.transport.socket_channel import ChannelServer
 
 logger = logging.getLogger(__name__)
 CHANNEL_WAIT_S = 10.0
@@ -51,6 +52,7 @@ class EngineActor:
         self._leases: dict[str, tuple[float, float]] = {}
         self._channel_opened = asyncio.Condition()  # binds to the loop on first use (3.10+)
         self._starting: asyncio.Future | None = None
+        self._socket_server: ChannelServer | None = None  # the channels' TCP listener (open_socket)
 
     async def start(self) -> EngineInfo:
         """Start the engine once per incarnation; a repeated call (a retried restart) gets the
@@ -68,26 +70,48 @@ class EngineActor:
         return self.info
 
     async def open_channel(self, channel_id: str, lease_s: float | None = None) -> AsyncIterator[Batch]:
-        """A long-lived stream of batches for every request submitted on ``channel_id``.
-        ``lease_s``: it lives that long, and as long again after each renewal (``health``)."""
+        """A long-lived stream of batches for every request submitted on ``channel_id`` (the
+        Ray channel, ``GatewayConfig.channel: ray``). ``lease_s``: it lives that long, and as
+        long again after each renewal (``health``)."""
+        outbox = await self.attach(channel_id, lease_s)
+        try:
+            async for batch in outbox.stream():
+                yield batch
+        finally:
+            self.detach(channel_id, outbox)
+
+    async def open_socket(self, channel_id: str, lease_s: float | None = None) -> tuple[str, int, bytes]:
+        """Where the gateway connects for ``channel_id``'s channel over TCP
+        (``GatewayConfig.channel: socket``): (host, port, token). The token, fresh for each call,
+        is good for one connection; the channel opens when it connects and ends when either end
+        drops the connection. ``lease_s``: as for ``open_channel``. The listening socket starts
+        on the first call, on this node's address."""
+        if self._socket_server is None:
+            self._socket_server = ChannelServer(self, _node_address())
+        return await self._socket_server.offer(channel_id, lease_s)
+
+    async def attach(self, channel_id: str, lease_s: float | None = None) -> Outbox:
+        """Open ``channel_id``'s outbox (either transport)."""
         outbox = Outbox()
         self._channels[channel_id] = outbox
         if lease_s is not None:
             self._leases[channel_id] = (time.monotonic(), lease_s)
         async with self._channel_opened:
             self._channel_opened.notify_all()
-        try:
-            async for batch in outbox.stream():
-                yield batch
-        finally:
-            outbox.close()
-            if self._channels.get(channel_id) is outbox:  # not a newer one under the same id
-                del self._channels[channel_id]
-                self._leases.pop(channel_id, None)
+        return outbox
+
+    def detach(self, channel_id: str, outbox: Outbox) -> None:
+        """The channel's stream or connection ended: its requests are aborted (nobody reads them)."""
+        outbox.close()
+        if self._channels.get(channel_id) is outbox:  # not a newer one under the same id
+            del self._channels[channel_id]
+            self._leases.pop(channel_id, None)
 
     async def submit(self, channel_id: str, route: str, body: dict, request_id: str) -> None:
         """Start a request; its items (see ``tandem_core.protocol``) go out on the channel."""
-        outbox = await self._outbox(channel_id)
+        self.submit_on(await self._outbox(channel_id), route, body, request_id)
+
+    def submit_on(self, outbox: Outbox, route: str, body: dict, request_id: str) -> None:
         outbox.start(request_id, self._items(route, body, request_id), done_framed=route in DONE_ROUTES)
 
     def _items(self, route: str, body: dict, request_id: str) -> AsyncIterator[Item]:
@@ -163,9 +187,19 @@ class EngineActor:
                                   "channel_in_flight": per_channel})
 
     async def shutdown(self) -> None:
+        if self._socket_server is not None:
+            self._socket_server.close()
         for outbox in list(self._channels.values()):
-            outbox.close()
+            outbox.close()  # a socket channel's connection closes with it
         await self.engine.shutdown()
+
+
+def _node_address() -> str:
+    """Where this actor's channel socket listens: its Ray node's address (a gateway on another
+    node reaches it), or the loopback when not under Ray (unit tests)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 async def _one(item: Item) -> AsyncIterator[Item]:

@@ -4,6 +4,11 @@
 this process (unit tests, no Ray). Both send requests with ``submit`` and read every request's
 items from one multiplexed channel (``channel.py``).
 
+The channel's bytes take one of two transports (``GatewayConfig.channel``): ``socket`` (a TCP
+connection to the actor, ``socket_channel.py``; Ray only says where it listens) or ``ray`` (a Ray
+streaming call, ``open_channel``; submits and aborts are Ray calls). Every other call (start,
+health, stats, describe, shutdown) is a Ray call either way.
+
 A handle also knows how to bring its replica back (``restart``): the Ray one kills a stuck
 actor and lets Ray restart it (``max_restarts``), then starts the engine in the new process;
 the local one builds a fresh in-process actor.
@@ -19,21 +24,34 @@ from typing import Any
 
 from tandem_core.errors import ErrorKind, TandemError, request_timeout
 from tandem_core.protocol import DONE, EngineInfo, EngineStats, Item, ReplicaHealth
-from workers.transport.channel import END, Demux, items_of
+from workers.transport.channel import END, Batch, Demux, items_of
+from workers.transport.socket_channel import ChannelClient
 
 logger = logging.getLogger(__name__)
+
+
+CHANNELS = ("socket", "ray")
 
 
 class ChannelReplicaHandle:
     """Reaches an ``EngineActor`` through one multiplexed channel (``workers/transport/channel.py``).
 
     ``call(method, *args)`` awaits one actor method; ``stream(method, *args)`` iterates a
-    streaming one. Subclasses bind them to Ray or to an in-process actor.
+    streaming one. Subclasses bind them to Ray or to an in-process actor. ``channel``: the
+    channel's transport, ``socket`` or ``ray`` (for an in-process actor: its stream, called
+    directly).
     """
 
-    def __init__(self) -> None:
+    lease_s: float | None = None  # the channel's lease on the replica (attached gateway processes)
+
+    def __init__(self, channel: str = "ray") -> None:
+        if channel not in CHANNELS:
+            raise ValueError(f"unknown channel {channel!r} (one of {', '.join(CHANNELS)})")
+        self.channel_kind = channel
         self.channel_id = uuid.uuid4().hex
         self._demux: Demux | None = None
+        # socket: the open channel's connection, once connected (fails if it could not be opened)
+        self._client: asyncio.Future[ChannelClient] | None = None
         self._reader: asyncio.Task | None = None
         self.on_broken: Callable[[TandemError], None] | None = None
 
@@ -44,18 +62,44 @@ class ChannelReplicaHandle:
         raise NotImplementedError
 
     def _dead(self, exc: BaseException) -> TandemError:
+        if isinstance(exc, OSError | asyncio.IncompleteReadError):  # the channel's socket
+            return TandemError(ErrorKind.ENGINE_DEAD, "the connection to the replica serving this request was lost")
         return TandemError(ErrorKind.ENGINE_DEAD, "the replica serving this request failed")
 
     def _channel(self) -> Demux:
         """The open channel; (re)opened when there is none or it broke (e.g. after a restart)."""
         if self._demux is None or self._demux.broken is not None:
             self._demux = Demux()
-            self._reader = asyncio.create_task(self._read(self._demux), name=f"channel-{self.channel_id}")
+            if self.channel_kind == "socket":
+                self._client = asyncio.get_running_loop().create_future()
+                batches = self._socket_batches(self._client)
+            else:
+                self._client = None
+                batches = self.stream("open_channel", self.channel_id)
+            self._reader = asyncio.create_task(self._read(self._demux, batches, self._client),
+                                               name=f"channel-{self.channel_id}")
         return self._demux
 
-    async def _read(self, demux: Demux) -> None:
+    async def _socket_batches(self, client: asyncio.Future) -> AsyncIterator[Batch]:
+        """The channel over TCP: where it listens comes from the actor (a Ray call), then batches
+        until either end closes the connection."""
+        conn = None
         try:
-            async for batch in self.stream("open_channel", self.channel_id):
+            host, port, token = await self.call("open_socket", self.channel_id, self.lease_s)
+            conn = await ChannelClient.connect(host, port, token)
+            client.set_result(conn)
+            async for batch in conn.batches():
+                yield batch
+        except Exception as e:
+            _resolve(client, e)  # requests waiting to submit hear why
+            raise
+        finally:
+            if conn is not None:
+                conn.close()  # the replica aborts whatever was still running on it
+
+    async def _read(self, demux: Demux, batches: AsyncIterator[Batch], client: asyncio.Future | None) -> None:
+        try:
+            async for batch in batches:
                 demux.feed(batch)
             err = TandemError(ErrorKind.ENGINE_DEAD, "the replica closed its channel")
         except asyncio.CancelledError:
@@ -64,6 +108,9 @@ class ChannelReplicaHandle:
         except Exception as e:  # noqa: BLE001 - whatever broke it, every request on it must end
             logger.warning("channel %s broke: %s: %s", self.channel_id, type(e).__name__, e)
             err = self._dead(e)
+        finally:
+            if client is not None:  # cancelled, perhaps before it began: nobody waits for it forever
+                _resolve(client, ConnectionAbortedError("the channel was closed"))
         demux.fail_all(err)
         if self.on_broken is not None and demux is self._demux:
             self.on_broken(err)
@@ -73,13 +120,26 @@ class ChannelReplicaHandle:
         self._channel()
         return info
 
-    def fail_in_flight(self, err: TandemError) -> None:
-        """End every request on this replica now with ``err`` (it is stuck or gone)."""
+    def _stop_reading(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
+        if self._client is not None:  # its reader may be cancelled before it ever ran
+            _resolve(self._client, ConnectionAbortedError("the channel was closed"))
+
+    def fail_in_flight(self, err: TandemError) -> None:
+        """End every request on this replica now with ``err`` (it is stuck or gone)."""
+        self._stop_reading()
         if self._demux is not None:
             self._demux.fail_all(err)
             self._demux = None
+
+    def _reopen_channel(self) -> None:
+        """A channel to the replica's new process (one opened to the old one breaks without telling)."""
+        self._stop_reading()
+        if self._demux is not None:
+            self._demux.fail_all(TandemError(ErrorKind.ENGINE_DEAD, "the replica serving this request restarted"))
+        self._demux = None
+        self._channel()
 
     async def restart(self, kill: bool) -> EngineInfo:
         """Bring the replica back: a new process (killing the old one when ``kill``), started."""
@@ -93,6 +153,7 @@ class ChannelReplicaHandle:
         """The request's items. Past ``timeout_at`` (loop time) it ends with a 504 error (an error
         event if it had begun streaming) and is aborted in the engine."""
         demux = self._channel()
+        client = self._client
         queue = demux.register(request_id)
         finished = False
         timer = None
@@ -105,7 +166,7 @@ class ChannelReplicaHandle:
             timer = asyncio.get_running_loop().call_at(timeout_at, expire)
         try:
             try:
-                await self.call("submit", self.channel_id, route, body, request_id)
+                await self._submit(client, route, body, request_id)
             except TandemError:
                 raise
             except Exception as e:  # noqa: BLE001
@@ -121,7 +182,22 @@ class ChannelReplicaHandle:
                 timer.cancel()
             demux.unregister(request_id)
             if not finished:  # the client went away, the stream failed or timed out: abort it there
-                asyncio.ensure_future(self._abort_quietly(request_id))
+                self._abort_soon(client, request_id)
+
+    async def _submit(self, client: asyncio.Future | None, route: str, body: dict, request_id: str) -> None:
+        if client is None:  # the Ray channel
+            await self.call("submit", self.channel_id, route, body, request_id)
+        else:  # shielded: a request given up while the channel connects leaves it be
+            await (await asyncio.shield(client)).submit(route, body, request_id)
+
+    def _abort_soon(self, client: asyncio.Future | None, request_id: str) -> None:
+        if client is None:
+            asyncio.ensure_future(self._abort_quietly(request_id))
+        elif client.done() and not client.cancelled() and client.exception() is None:
+            conn = client.result()
+            if not conn.closed:  # closed: the replica aborted everything on it already
+                conn.abort(request_id)
+        # not connected yet: this request was never submitted
 
     async def _abort_quietly(self, request_id: str) -> None:
         try:
@@ -139,8 +215,7 @@ class ChannelReplicaHandle:
         return await self.call("stats")
 
     async def shutdown(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        self._stop_reading()
         await self.call("shutdown")
 
 
@@ -148,8 +223,8 @@ class LocalReplicaHandle(ChannelReplicaHandle):
     """An ``EngineActor`` in this process (unit tests, no Ray); same channel code path.
     ``factory`` builds a fresh actor for ``restart``."""
 
-    def __init__(self, actor, factory: Callable[[], Any] | None = None):
-        super().__init__()
+    def __init__(self, actor, factory: Callable[[], Any] | None = None, channel: str = "ray"):
+        super().__init__(channel)
         self.actor = actor
         self.factory = factory
 
@@ -164,18 +239,21 @@ class LocalReplicaHandle(ChannelReplicaHandle):
         if self.factory is None:
             raise RuntimeError("this replica cannot be restarted (no factory)")
         old, self.actor = self.actor, self.factory()
-        for outbox in list(old._channels.values()):  # what a killed process would lose
+        if old._socket_server is not None:  # what a killed process would lose: its socket,
+            old._socket_server.close()
+        for outbox in list(old._channels.values()):  # its channels (and their connections)
             outbox.close()
-        return await self.start()
+        info = await self.call("start")
+        self._reopen_channel()
+        return info
 
 
 class RayReplicaHandle(ChannelReplicaHandle):
     """An ``EngineActor`` in the Ray cluster."""
 
     def __init__(self, actor, channel: str = "socket"):
-        super().__init__()
+        super().__init__(channel)  # GatewayConfig.channel
         self.actor = actor
-        self.channel_kind = channel  # GatewayConfig.channel: "socket" or "ray"
 
     async def call(self, method: str, *args):
         return await getattr(self.actor, method).remote(*args)
@@ -218,13 +296,6 @@ class RayReplicaHandle(ChannelReplicaHandle):
         self._reopen_channel()
         return info
 
-    def _reopen_channel(self) -> None:
-        """A channel to the new process (one opened to the old one breaks without telling)."""
-        if self._reader is not None:
-            self._reader.cancel()
-        self._demux = None
-        self._channel()
-
     async def stream(self, method: str, *args) -> AsyncIterator:
         gen = getattr(self.actor, method).options(num_returns="streaming").remote(*args)
         try:
@@ -240,8 +311,17 @@ class RayReplicaHandle(ChannelReplicaHandle):
 
         if isinstance(exc, RayActorError):
             return TandemError(ErrorKind.ENGINE_DEAD, "the replica serving this request died")
+        if isinstance(exc, OSError | asyncio.IncompleteReadError):
+            return super()._dead(exc)
         logger.error("replica call failed: %s: %s", type(exc).__name__, exc)
         return TandemError(ErrorKind.ENGINE_ERROR, "the replica failed on this request")
+
+
+def _resolve(client: asyncio.Future, exc: Exception) -> None:
+    """A socket channel that will not connect (any more): requests waiting to submit get ``exc``."""
+    if not client.done():
+        client.set_exception(exc)
+        client.exception()  # retrieved: no request may come to ask
 
 
 def _is_last(item: Item) -> bool:
