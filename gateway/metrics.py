@@ -125,6 +125,16 @@ class Metrics:
                                 ["model", "reason"], registry=r)
         self.replicas = Gauge("tandem_replicas", "Replicas by state.", ["model", "state"], registry=r,
                               multiprocess_mode="livemostrecent")
+        self.replicas_desired = Gauge("tandem_replicas_desired", "Replicas asked for (autoscaling's decision; "
+                                      "else the configured count).", ["model"], registry=r,
+                                      multiprocess_mode="livemostrecent")
+        self.replicas_running = Gauge("tandem_replicas_running", "Replicas serving (healthy).", ["model"],
+                                      registry=r, multiprocess_mode="livemostrecent")
+        self.replicas_pending = Gauge("tandem_replicas_pending", "Replicas created and not serving yet (starting, "
+                                      "or waiting for a node that can hold them).", ["model"], registry=r,
+                                      multiprocess_mode="livemostrecent")
+        self.scale_events = Counter("tandem_scale_events", "Autoscaling decisions, by direction (up: replicas "
+                                    "added, down: one drained and removed).", ["model", "direction"], registry=r)
         self.restarts = Counter("tandem_replica_restarts", "Replicas restarted (died, stuck or failing).", ["model"],
                                 registry=r)
         self.retries = Counter("tandem_request_retries",
@@ -141,6 +151,8 @@ class Metrics:
                 child.labels(m)
             for reason in set(REJECT_REASONS.values()):
                 self.rejected.labels(m, reason)
+            for direction in ("up", "down"):
+                self.scale_events.labels(m, direction)
         self._engines = _EngineCollector()
         r.register(self._engines)
         self.exposition = r  # what /metrics shows
@@ -193,6 +205,13 @@ class Metrics:
             for s in states:
                 self.replicas.labels(m, s).set(sum(1 for r in rows if r[0] == m and r[2] == s))
         self._engines.rows = rows
+
+
+    def set_scaling(self, model: str, counts: dict[str, int]) -> None:
+        """counts: ``views.replica_counts`` of one model."""
+        self.replicas_desired.labels(model).set(counts["desired"])
+        self.replicas_running.labels(model).set(counts["running"])
+        self.replicas_pending.labels(model).set(counts["pending"])
 
 
 class _EngineCollector:

@@ -20,11 +20,19 @@ class ReplicaState(str, Enum):
     UNHEALTHY = "unhealthy"  # out of rotation; being restarted
     RESTARTING = "restarting"
     FAILED = "failed"  # could not start
+    # Being removed (autoscaling down): no new requests; the ones it holds finish, then it is
+    # shut down and leaves the pool. Not health-checked nor restarted meanwhile.
+    DRAINING = "draining"
 
     @property
     def live(self) -> bool:
         """Reachable for health checks and stats."""
-        return self in (ReplicaState.HEALTHY, ReplicaState.UNHEALTHY)
+        return self in (ReplicaState.HEALTHY, ReplicaState.UNHEALTHY, ReplicaState.DRAINING)
+
+    @property
+    def serving_soon(self) -> bool:
+        """Counted as one of the model's replicas: serving, or on its way to (not draining)."""
+        return self is not ReplicaState.DRAINING
 
 
 @dataclass(eq=False)
@@ -38,6 +46,7 @@ class Replica:
     # The load other gateway processes put on it (same units as ``load``), from what the replica
     # itself reports; 0 with a single gateway. Routing weighs ``load + others_load``.
     others_load: float = 0.0
+    others_outstanding: int = 0  # the requests behind ``others_load`` (the autoscaler counts requests)
     info: EngineInfo | None = None
     last_error: str | None = None
     consecutive_failures: int = 0

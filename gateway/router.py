@@ -29,6 +29,10 @@ every replica is full the request waits in a bounded FIFO queue; when the queue 
 refused at once with 429 and a ``Retry-After`` estimated from the queue length and the recent
 completion rate. A request that waits past its deadline gets 408. 503 only when the model has
 no live replica.
+
+Draining (autoscaling down): a replica in state ``draining`` is not healthy, so it gets no new
+request; the ones it holds finish and are released as usual; then ``remove`` drops it (and its
+prefix index) from the pool.
 """
 
 from __future__ import annotations
@@ -193,6 +197,13 @@ class ModelPool:
         for r in self.replicas:
             if r.state in _CACHE_GONE and r.id in self._indexes:
                 del self._indexes[r.id]
+
+    def remove(self, replica: Replica) -> None:
+        """Drop a drained replica (its requests finished or failed): it is gone for good."""
+        if replica in self.replicas:
+            self.replicas.remove(replica)
+        self._indexes.pop(replica.id, None)
+        self.fail_waiters_if_no_replica()
 
     def prefix_index(self, replica_id: str) -> PrefixIndex | None:
         """The prefix index of a replica (for /admin and tests); None before any prefix routing."""

@@ -8,6 +8,15 @@ the others are ``attached``: an attached one takes a failed replica out of rotat
 its requests at once, as the owner does, but never restarts or shuts one down (two restarts of
 one actor would kill a healthy one); it waits for the owner to bring the replica back. Each one
 reads from the replicas how many requests the other processes have on them (``others_load``).
+
+Autoscaling (a model's ``autoscaling``): a loop per model samples the model's load (requests in
+flight and queued) and asks ``gateway.autoscaler`` for the replica count. Up: new replicas are
+created through the deployment with fresh ids (``<model>/<n>``, n never reused) and brought up
+like the first ones (pending, with the reason, while no node can hold one; served once healthy).
+Down: the least loaded replica (one not serving yet first) is drained: the router sends it
+nothing new, its requests finish (up to ``gateway.drain_timeout_s``), then its engine is shut
+down, its actor released and it leaves the pool. Only a single gateway process autoscales (the
+config refuses autoscaling with several; an attached supervisor refuses it too).
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ import time
 from functools import partial
 from typing import Protocol
 
+from gateway import views
+from gateway.autoscaler import Autoscaler, Decision
 from gateway.metrics import Metrics
 from gateway.replicas import Replica, ReplicaState
 from gateway.router import Router
@@ -31,6 +42,10 @@ PROGRESS_EVERY_S = 15.0
 PLACEMENT_CHECK_S = 5.0  # a replica not started by then: ask whether it can be placed at all
 STATS_EVERY_S = 2.0
 RESTART_BACKOFF_S = (1.0, 30.0)
+DRAIN_POLL_S = 0.05
+# A replica to remove, by preference: one that serves nothing yet (or no more), then the least loaded.
+_REMOVE_FIRST = (ReplicaState.FAILED, ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.RESTARTING,
+                 ReplicaState.UNHEALTHY, ReplicaState.HEALTHY)
 
 
 class Deployment(Protocol):
@@ -38,8 +53,16 @@ class Deployment(Protocol):
         """Create (not start) the replicas of one model, (replica id, handle) each; called once
         per model at start-up."""
 
-    def placement_problem(self, model: ModelConfig) -> str | None:
-        """Why a replica of ``model`` cannot be placed now (no node offers its resources), or None."""
+    def create_replica(self, model: ModelConfig, index: int) -> tuple[str, ReplicaHandle]:
+        """Create (not start) one more replica of ``model`` (autoscaling), its id built from
+        ``index``, an index never used before for this model."""
+
+    def remove_replica(self, replica_id: str) -> None:
+        """Release a replica created here, its engine already shut down (autoscaling); blocking."""
+
+    def placement_problem(self, model: ModelConfig, replica_id: str | None = None) -> str | None:
+        """Why a replica of ``model`` (``replica_id``: that one, created and not started yet)
+        cannot be placed now, or None; blocking (asks the cluster)."""
 
     def close(self) -> None:
         """Release everything the deployment holds (actors, the Ray connection)."""
@@ -55,19 +78,37 @@ class Supervisor:
         self.attached = attached  # another process owns (restarts, shuts down) the replicas
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self._bringing_up: dict[str, asyncio.Task] = {}  # replica id -> its start or restart task
+        self.scalers: dict[str, Autoscaler] = {}
+        self._next_index: dict[str, int] = {}
+        scaled = [m.name for m in config.models if m.autoscaling is not None]
+        if scaled and attached:
+            raise ValueError(f"autoscaling (models: {', '.join(scaled)}) needs a single gateway process: an attached "
+                             "one does not follow the replicas its owner adds and removes")
 
     def start(self) -> None:
         """Create every replica and start them in the background (the router serves each one
         once it is healthy); then the health and stats loops."""
         for model in self.config.models:
             pool = self.router.pools[model.name]
-            pool.replicas = [Replica(id=rid, model=model.name, handle=handle)
-                             for rid, handle in self.deployment.create_replicas(model)]
-            for replica in pool.replicas:
-                replica.handle.on_broken = partial(self._on_broken, replica)
-                self._spawn(self._start_replica(replica))
+            pool.replicas = []
+            created = self.deployment.create_replicas(model)
+            for rid, handle in created:
+                self._add(model, rid, handle)
+            self._next_index[model.name] = len(created)
+            if model.autoscaling is not None:
+                self.scalers[model.name] = Autoscaler(model.autoscaling, len(created))
+                self._spawn(self._autoscale_loop(model))
         self._spawn(self._health_loop())
         self._spawn(self._stats_loop())
+
+    def _add(self, model: ModelConfig, rid: str, handle: ReplicaHandle) -> Replica:
+        """A created replica joins the pool and starts in the background (served once healthy)."""
+        replica = Replica(id=rid, model=model.name, handle=handle)
+        replica.handle.on_broken = partial(self._on_broken, replica)
+        self.router.pools[model.name].replicas.append(replica)
+        self._bringing_up[rid] = self._spawn(self._start_replica(replica))
+        return replica
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -95,7 +136,7 @@ class Supervisor:
                 if done:
                     break
                 timeout = PROGRESS_EVERY_S
-                problem = await self._placement_problem(model)
+                problem = await self._placement_problem(model, replica.id)
                 if problem and replica.state is not ReplicaState.PENDING:
                     logger.warning("replica %s: cannot be placed: %s", replica.id, problem)
                     replica.state, replica.last_error = ReplicaState.PENDING, problem
@@ -105,6 +146,8 @@ class Supervisor:
                             "waiting for placement" if problem else "loading", time.monotonic() - t0)
         finally:
             task.cancel()  # no-op when done; stops a restart loop when the service stops
+        if replica.state is ReplicaState.DRAINING:  # removed while it came up (the remover cancels us too)
+            return
         replica.info = task.result()
         replica.state, replica.last_error = ReplicaState.HEALTHY, None
         replica.incarnation, replica.consecutive_failures = None, 0
@@ -116,11 +159,11 @@ class Supervisor:
 
             keep_off_vllm_workers()
 
-    async def _placement_problem(self, model: ModelConfig | None) -> str | None:
+    async def _placement_problem(self, model: ModelConfig | None, replica_id: str) -> str | None:
         if model is None:
             return None
         try:  # off the event loop: asking the cluster (Ray's GCS) blocks
-            return await asyncio.to_thread(self.deployment.placement_problem, model)
+            return await asyncio.to_thread(self.deployment.placement_problem, model, replica_id)
         except Exception as e:  # noqa: BLE001 - a diagnosis must not break start-up
             logger.debug("placement check failed: %s", e)
             return None
@@ -161,7 +204,7 @@ class Supervisor:
             ErrorKind.ENGINE_DEAD, f"the replica serving this request failed ({reason}); it is being restarted"))
         pool = self.router.pools[replica.model]
         pool.fail_waiters_if_no_replica()
-        self._spawn(self._restart(replica, kill))
+        self._bringing_up[replica.id] = self._spawn(self._restart(replica, kill))
 
     async def _restart(self, replica: Replica, kill: bool) -> None:
         backoff = RESTART_BACKOFF_S[0]
@@ -185,7 +228,8 @@ class Supervisor:
         interval = self.config.gateway.health_interval_s
         while not self._stopping:  # a flag too: 3.11's wait_for can swallow a cancellation
             await asyncio.sleep(interval)
-            checks = [self._check(r) for r in self.router.all_replicas() if r.state.live]
+            checks = [self._check(r) for r in self.router.all_replicas()
+                      if r.state.live and r.state is not ReplicaState.DRAINING]
             await asyncio.gather(*checks)
 
     async def _stats_loop(self) -> None:
@@ -202,11 +246,14 @@ class Supervisor:
                     except Exception:  # noqa: BLE001 - the health loop judges the replica
                         stats = None
                     else:
-                        r.others_load = others_load(r, stats.pop("channel_in_flight", None))
+                        per_channel = stats.pop("channel_in_flight", None)
+                        r.others_load = others_load(r, per_channel)
+                        r.others_outstanding = others_outstanding(r, per_channel)
                 rows.append((r.model, r.id, r.state.value, stats))
             self.metrics.set_replicas(rows, [s.value for s in ReplicaState])
             for name, pool in self.router.pools.items():
                 self.metrics.queued.labels(name).set(pool.queued)
+                self.metrics.set_scaling(name, views.replica_counts(pool))
             await asyncio.sleep(interval)
 
     async def _check(self, replica: Replica) -> None:
@@ -252,6 +299,68 @@ class Supervisor:
         replica.state = ReplicaState.HEALTHY
         self.router.pools[replica.model].wake()
 
+    # -- autoscaling ----------------------------------------------------------------------------
+
+    async def _autoscale_loop(self, model: ModelConfig) -> None:
+        scaler, pool = self.scalers[model.name], self.router.pools[model.name]
+        while not self._stopping:
+            await asyncio.sleep(model.autoscaling.interval_s)
+            decision = scaler.observe(time.monotonic(), model_load(pool))
+            if decision is not None and not self._stopping:
+                self.scale(model, decision)
+
+    def scale(self, model: ModelConfig, decision: Decision) -> None:
+        """Add or drain replicas until ``decision.desired`` of them are serving or on their way."""
+        pool = self.router.pools[model.name]
+        counted = [r for r in pool.replicas if r.state is not ReplicaState.DRAINING]
+        logger.info("model %s: scaling %s from %d to %d replica(s) (load %.1f: requests in flight and queued)",
+                    model.name, decision.direction, len(counted), decision.desired, decision.load)
+        self.metrics.scale_events.labels(model.name, decision.direction).inc()
+        for _ in range(decision.desired - len(counted)):
+            index = self._next_index[model.name]
+            self._next_index[model.name] = index + 1
+            rid, handle = self.deployment.create_replica(model, index)
+            self._add(model, rid, handle)
+            logger.info("replica %s: added", rid)
+        for _ in range(len(counted) - decision.desired):
+            victim = min((r for r in pool.replicas if r.state is not ReplicaState.DRAINING), key=_removal_order)
+            self._spawn(self.drain_and_remove(victim))
+        self.metrics.set_scaling(model.name, views.replica_counts(pool))
+
+    async def drain_and_remove(self, replica: Replica) -> None:
+        """Take ``replica`` out of rotation at once, let its requests finish (up to
+        ``gateway.drain_timeout_s``; then they fail), shut its engine down, release it and drop
+        it from the pool. One that was still coming up is stopped where it is."""
+        pool = self.router.pools[replica.model]
+        engine_up = replica.state in (ReplicaState.HEALTHY, ReplicaState.UNHEALTHY)
+        up = self._bringing_up.pop(replica.id, None)
+        if up is not None:
+            up.cancel()
+        replica.state, replica.last_error = ReplicaState.DRAINING, None
+        logger.info("replica %s: draining (%d request(s) in flight here, %d from other gateway processes)",
+                    replica.id, replica.outstanding, replica.others_outstanding)
+        if engine_up:
+            deadline = time.monotonic() + self.config.gateway.drain_timeout_s
+            while (replica.outstanding or replica.others_outstanding) and time.monotonic() < deadline:
+                await asyncio.sleep(DRAIN_POLL_S)  # a poll: releases come from many requests
+            if replica.outstanding:
+                logger.warning("replica %s: drain timeout, %d request(s) still in flight fail", replica.id,
+                               replica.outstanding)
+                replica.handle.fail_in_flight(TandemError(
+                    ErrorKind.SHUTTING_DOWN, "the replica serving this request was removed (scaled down) and its "
+                    f"drain timeout ({self.config.gateway.drain_timeout_s:g} s) ran out"))
+            try:
+                await asyncio.wait_for(replica.handle.shutdown(), timeout=30)
+            except Exception as e:  # noqa: BLE001 - it is released anyway
+                logger.warning("replica %s: shutdown: %s", replica.id, e)
+        try:
+            await asyncio.to_thread(self.deployment.remove_replica, replica.id)
+        except Exception as e:  # noqa: BLE001 - gone from the pool anyway; close() releases the rest
+            logger.warning("replica %s: release: %s", replica.id, e)
+        pool.remove(replica)
+        self.metrics.set_scaling(replica.model, views.replica_counts(pool))
+        logger.info("replica %s: removed", replica.id)
+
     async def stop(self) -> None:
         """Stop the loops, shut every live replica's engine down, release the deployment.
         Attached: only this process's channels close; the replicas are the owner's."""
@@ -271,6 +380,28 @@ class Supervisor:
             if isinstance(res, BaseException):
                 logger.warning("replica %s: shutdown: %s", r.id, res)
         self.deployment.close()
+
+
+def model_load(pool) -> float:
+    """The autoscaler's signal for one model: requests in flight on its replicas, from this
+    gateway process and the others, plus those queued here."""
+    return float(sum(r.outstanding + r.others_outstanding for r in pool.replicas) + pool.queued)
+
+
+def _removal_order(r: Replica) -> tuple[int, int, int]:
+    """Remove first what serves nothing (not started, failed), then the least loaded, then the
+    newest."""
+    rank = _REMOVE_FIRST.index(r.state) if r.state in _REMOVE_FIRST else 0
+    tail = r.id.rsplit("/", 1)[-1]
+    return (rank, r.outstanding + r.others_outstanding, -int(tail) if tail.isdigit() else 0)
+
+
+def others_outstanding(replica: Replica, per_channel: dict[str, int] | None) -> int:
+    """The requests other gateway processes have on ``replica`` (from its per-channel counts)."""
+    if not per_channel:
+        return 0
+    mine = getattr(replica.handle, "channel_id", None)
+    return sum(n for cid, n in per_channel.items() if cid != mine)
 
 
 def others_load(replica: Replica, per_channel: dict[str, int] | None) -> float:

@@ -4,8 +4,27 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.replicas import Replica
-from gateway.router import Router
+from gateway.replicas import Replica, ReplicaState
+from gateway.router import ModelPool, Router
+
+_COMING_UP = frozenset({ReplicaState.STARTING, ReplicaState.PENDING})
+
+
+def replica_counts(pool: ModelPool) -> dict[str, int]:
+    """A model's replicas by what they mean to its capacity: ``desired`` (those asked for: every
+    replica but the draining ones; the autoscaler acts on each decision at once, so this is its
+    count), ``running`` (serving), ``pending`` (created and not serving yet: starting, or waiting
+    for a node), ``draining`` (being removed)."""
+    states = [r.state for r in pool.replicas]
+    return {"desired": sum(s is not ReplicaState.DRAINING for s in states),
+            "running": sum(s is ReplicaState.HEALTHY for s in states),
+            "pending": sum(s in _COMING_UP for s in states),
+            "draining": sum(s is ReplicaState.DRAINING for s in states)}
+
+
+def scaling(router: Router) -> dict[str, dict[str, int]]:
+    """``replica_counts`` of every model (/admin/replicas)."""
+    return {name: replica_counts(pool) for name, pool in router.pools.items()}
 
 
 def model_card(router: Router, name: str) -> dict:
@@ -18,7 +37,7 @@ def model_card(router: Router, name: str) -> dict:
         "owned_by": "tandem",
         "kind": pool.kind,
         "max_model_len": info.max_model_len if info else None,
-        "replicas": {"total": len(pool.replicas), "healthy": len(pool.healthy())},
+        "replicas": {"total": len(pool.replicas), "healthy": len(pool.healthy()), **replica_counts(pool)},
     }
 
 

@@ -142,6 +142,28 @@ class SessionAffinity(_Strict):
                                "one in its order while that replica holds more than this times the average load.")
 
 
+class AutoscalingConfig(_Strict):
+    min_replicas: int = Field(1, ge=1, description="Fewest replicas, kept even when idle (at least 1: no scale to "
+                              "zero, a cold start takes as long as loading the model).")
+    max_replicas: int = Field(ge=1, description="Most replicas the autoscaler may run.")
+    target_in_flight_per_replica: float = Field(
+        8, gt=0, description="Requests in flight plus queued (every gateway process's) per replica the autoscaler "
+        "aims at: above it for scale_up_window_s, it scales up to load / target replicas (capped at "
+        "max_replicas).")
+    scale_up_window_s: float = Field(30, ge=0, description="Seconds the load must stay above the target before "
+                                     "replicas are added (0: at once).")
+    scale_down_window_s: float = Field(300, ge=0, description="Seconds the load must fit in one replica fewer "
+                                       "(at the target) before one replica is drained and removed; each further "
+                                       "step waits as long again. Never below min_replicas.")
+    interval_s: float = Field(1, gt=0, description="Seconds between two looks at the load (and decisions).")
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
+        return self
+
+
 class ModelConfig(_Strict):
     name: str = Field(min_length=1, description="The `model` clients ask for.")
     kind: ModelKind = Field(description="autoregressive (vLLM) or diffusion (tandem's batcher).")
@@ -149,7 +171,12 @@ class ModelConfig(_Strict):
         min_length=1,
         description="A local path, a Hugging Face id, or `builtin:<name>` for a built-in tiny model.",
     )
-    replicas: int = Field(1, ge=1, description="Ray actors to run, one per GPU.")
+    replicas: int = Field(1, ge=1, description="Ray actors to run, one per GPU. With autoscaling: how many to "
+                          "start with (default: autoscaling.min_replicas), within min_replicas..max_replicas.")
+    autoscaling: AutoscalingConfig | None = Field(
+        None, description="Add and remove replicas with the load (absent: always `replicas` replicas). A removed "
+        "replica is drained first: no new requests, its requests in flight finish (up to "
+        "gateway.drain_timeout_s).")
     resources: Resources = Field(default_factory=Resources, description="Per-replica Ray resources.")
     max_in_flight_per_replica: int | None = Field(
         None, ge=1, description="Requests a replica takes at once; beyond, they queue in the gateway "
@@ -169,6 +196,24 @@ class ModelConfig(_Strict):
         "(overrides limits.max_tokens_ceiling).")
     max_restarts: int = Field(-1, ge=-1, description="How often Ray restarts a replica's actor that died or was "
                               "killed for being stuck (-1: always).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replicas_from_autoscaling(cls, data: Any) -> Any:
+        """With autoscaling and no `replicas`, a model starts with min_replicas."""
+        if isinstance(data, dict) and "replicas" not in data and isinstance(data.get("autoscaling"), dict):
+            start = data["autoscaling"].get("min_replicas", 1)
+            if isinstance(start, int) and start >= 1:  # else autoscaling.min_replicas's own error says why
+                data = {**data, "replicas": start}
+        return data
+
+    @model_validator(mode="after")
+    def _replicas_within_autoscaling(self) -> ModelConfig:
+        a = self.autoscaling
+        if a is not None and not a.min_replicas <= self.replicas <= a.max_replicas:
+            raise ValueError(f"replicas ({self.replicas}) is the initial count with autoscaling and must lie within "
+                             f"autoscaling.min_replicas..max_replicas ({a.min_replicas}..{a.max_replicas})")
+        return self
 
     @model_validator(mode="after")
     def _affinity_is_autoregressive(self) -> ModelConfig:
@@ -252,6 +297,15 @@ class TandemConfig(_Strict):
                              "set by the loader to the config file's folder.")
     models: list[ModelConfig] = Field(min_length=1, description="The models to serve.")
     models_dir: Path = Field(REPO_ROOT / "models", description="Where built-in tiny models are built.")
+
+    @model_validator(mode="after")
+    def _autoscaling_with_one_gateway_process(self) -> TandemConfig:
+        scaled = [m.name for m in self.models if m.autoscaling is not None]
+        if scaled and self.gateway.processes > 1:
+            raise ValueError(f"autoscaling (models: {', '.join(scaled)}) works with one gateway process for now: "
+                             "set gateway.processes to 1 or remove autoscaling (attached gateway processes do not "
+                             "follow the replicas the owner adds and removes yet)")
+        return self
 
     @field_validator("models")
     @classmethod

@@ -27,8 +27,12 @@ def resolve_source(model: ModelConfig, models_dir: Path) -> str:
 
 
 def local_ray_cpus(config: TandemConfig) -> int:
-    needed = sum(m.replicas * m.resources.num_cpus for m in config.models)
+    needed = sum(_most_replicas(m) * m.resources.num_cpus for m in config.models)
     return max(int(needed + 0.999), os.cpu_count() or 1)
+
+
+def _most_replicas(model: ModelConfig) -> int:
+    return model.autoscaling.max_replicas if model.autoscaling is not None else model.replicas
 
 
 def actor_name(replica_id: str) -> str:
@@ -50,7 +54,12 @@ class RayDeployment:
         self.config = config
         self.engine_key = engine_key  # tests: force an engine (e.g. "fake")
         self.role = role
-        self._actors: list = []
+        self._actors: dict[str, object] = {}  # replica id -> its actor handle
+        scaled = [m.name for m in config.models if m.autoscaling is not None]
+        if scaled and (role == "attached" or config.gateway.processes > 1):
+            raise ValueError(f"autoscaling (models: {', '.join(scaled)}) works with one gateway process only, not "
+                             "with gateway.processes > 1 nor `tandem serve --attach`: attached processes do not "
+                             "follow the replicas the owner adds and removes yet")
         if not ray.is_initialized():
             if config.ray.address:
                 logger.info("joining the Ray cluster at %s", config.ray.address)
@@ -79,10 +88,6 @@ class RayDeployment:
     def create_replicas(self, model: ModelConfig) -> list[tuple[str, RayReplicaHandle]]:
         """One actor per replica of ``model``: (replica id, its handle) each. Attached: the
         owner's actors, found by name (waiting for the owner to create them)."""
-        import ray
-
-        from workers.actor import EngineActor
-
         if self.role == "attached":
             gw = self.config.gateway
             lease = max(CHANNEL_LEASE_MIN_S, 10 * gw.health_interval_s)
@@ -90,46 +95,85 @@ class RayDeployment:
                                                                 channel=gw.channel))
                     for i in range(model.replicas)]
 
-        source = resolve_source(model, self.config.models_dir)
-        remote_cls = ray.remote(EngineActor)
-        replicas = []
-        for i in range(model.replicas):
-            rid = f"{model.name}/{i}"
-            # SPREAD: replicas of a model go to different nodes when the cluster has room.
-            # max_restarts: Ray brings a dead actor back (the gateway starts its engine again);
-            # no task retries: a request on a dead replica fails, the gateway decides on a retry.
-            options = {"num_cpus": model.resources.num_cpus, "num_gpus": model.resources.num_gpus,
-                       "scheduling_strategy": "SPREAD", "max_restarts": model.max_restarts, "max_task_retries": 0}
-            if model.env:
-                options["runtime_env"] = {"env_vars": dict(model.env)}
-            if self.role == "owner":  # other gateway processes find it by name
-                options["name"] = actor_name(rid)
-            actor = remote_cls.options(**options).remote(model.model_dump(mode="json"), source, rid, self.engine_key)
-            self._actors.append(actor)
-            replicas.append((rid, RayReplicaHandle(actor, channel=self.config.gateway.channel)))
-        return replicas
+        return [self._create(model, i) for i in range(model.replicas)]
 
-    def placement_problem(self, model: ModelConfig) -> str | None:
+    def create_replica(self, model: ModelConfig, index: int) -> tuple[str, RayReplicaHandle]:
+        """One more actor of ``model`` (autoscaling): replica ``<model>/<index>``."""
+        if self.role == "attached":
+            raise RuntimeError("an attached gateway process creates no replica (this is a bug)")
+        return self._create(model, index)
+
+    def _create(self, model: ModelConfig, index: int) -> tuple[str, RayReplicaHandle]:
+        import ray
+
+        from workers.actor import EngineActor
+
+        source = resolve_source(model, self.config.models_dir)
+        rid = f"{model.name}/{index}"
+        # SPREAD: replicas of a model go to different nodes when the cluster has room.
+        # max_restarts: Ray brings a dead actor back (the gateway starts its engine again);
+        # no task retries: a request on a dead replica fails, the gateway decides on a retry.
+        options = {"num_cpus": model.resources.num_cpus, "num_gpus": model.resources.num_gpus,
+                   "scheduling_strategy": "SPREAD", "max_restarts": model.max_restarts, "max_task_retries": 0}
+        if model.env:
+            options["runtime_env"] = {"env_vars": dict(model.env)}
+        if self.role == "owner":  # other gateway processes find it by name
+            options["name"] = actor_name(rid)
+        actor = ray.remote(EngineActor).options(**options).remote(model.model_dump(mode="json"), source, rid,
+                                                                  self.engine_key)
+        self._actors[rid] = actor
+        return rid, RayReplicaHandle(actor, channel=self.config.gateway.channel)
+
+    def remove_replica(self, replica_id: str) -> None:
+        """Kill one replica's actor for good (autoscaling down; its engine is shut down)."""
+        import ray
+
+        actor = self._actors.pop(replica_id, None)
+        if actor is not None and self.role != "attached":
+            ray.kill(actor, no_restart=True)
+
+    def placement_problem(self, model: ModelConfig, replica_id: str | None = None) -> str | None:
         """Why a replica of ``model`` cannot be placed: no live node offers its resources at all
-        (e.g. ``num_gpus: 1`` on a cluster without GPU nodes). None if some node could hold it."""
+        (e.g. ``num_gpus: 1`` on a cluster without GPU nodes), or (``replica_id``: that replica,
+        when Ray has not placed its actor yet) none has them free now, every one being taken.
+        None if some node could hold it, or the replica is placed (then it is loading)."""
         import ray
 
         need = {k: v for k, v in (("CPU", model.resources.num_cpus), ("GPU", model.resources.num_gpus)) if v}
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         if any(all(n["Resources"].get(k, 0) >= v for k, v in need.items()) for n in nodes):
-            return None
+            if replica_id is None or self._actor_state(replica_id) != "PENDING_CREATION":
+                return None
+            free = ray.available_resources()
+            wants = ", ".join(f"{k} {v:g}" for k, v in need.items())
+            return (f"waiting for a node with {wants} free (free in the whole cluster now: "
+                    + ", ".join(f"{k} {free.get(k, 0):g}" for k in need)
+                    + "); it starts when one is added (the Ray autoscaler adds nodes where it is enabled) or freed")
         offers = "; ".join(
             f"{n.get('NodeManagerAddress', '?')}: " + ", ".join(f"{k} {n['Resources'].get(k, 0):g}" for k in need)
             for n in nodes) or "no live node"
         wants = ", ".join(f"{k} {v:g}" for k, v in need.items())
         return f"needs {wants} on one node; no node of the Ray cluster has that ({offers}); add such a node"
 
+    def _actor_state(self, replica_id: str) -> str | None:
+        """Ray's state of a replica's actor (``PENDING_CREATION``, ``ALIVE``...), None if unknown."""
+        actor = self._actors.get(replica_id)
+        if actor is None:
+            return None
+        try:  # no public API without Ray's dashboard (ray.util.state needs it): the GCS's actor table
+            from ray._private import state
+
+            return state.actors(actor._actor_id.hex()).get("State")
+        except Exception as e:  # noqa: BLE001 - a diagnosis only
+            logger.debug("actor state of %s: %s", replica_id, e)
+            return None
+
     def close(self) -> None:
         import ray
 
         if self.role == "attached":  # the owner's actors: never killed here
             return
-        for actor in self._actors:
+        for actor in self._actors.values():
             try:
                 ray.kill(actor)
             except Exception:  # noqa: BLE001 - already gone

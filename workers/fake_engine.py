@@ -224,20 +224,24 @@ class FakeDeployment:
     def __init__(self, engine_args: dict[str, Any] | None = None):
         self.engine_args = engine_args
         self.engines: dict[str, FakeEngine] = {}
+        self.removed: list[str] = []  # replicas released by ``remove_replica`` (autoscaling down)
 
     def create_replicas(self, model) -> list[tuple[str, LocalReplicaHandle]]:
+        return [self.create_replica(model, i) for i in range(model.replicas)]
+
+    def create_replica(self, model, index: int) -> tuple[str, LocalReplicaHandle]:
         def make(rid: str) -> EngineActor:  # also how a "restarted" replica gets a fresh engine
             engine = FakeEngine(model.name, self.engine_args if self.engine_args is not None else model.engine_args)
             self.engines[rid] = engine
             return EngineActor(model.model_dump(mode="json"), model.source, rid, engine=engine)
 
-        out = []
-        for i in range(model.replicas):
-            rid = f"{model.name}/{i}"
-            out.append((rid, LocalReplicaHandle(make(rid), factory=lambda rid=rid: make(rid))))
-        return out
+        rid = f"{model.name}/{index}"
+        return rid, LocalReplicaHandle(make(rid), factory=lambda: make(rid))
 
-    def placement_problem(self, model) -> str | None:
+    def remove_replica(self, replica_id: str) -> None:
+        self.removed.append(replica_id)  # its engine stays in ``engines``: tests read its counters
+
+    def placement_problem(self, model, replica_id: str | None = None) -> str | None:
         return None  # in-process: always placed
 
     def close(self) -> None:
