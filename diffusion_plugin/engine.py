@@ -26,7 +26,15 @@ from diffusion_plugin.chunks import ChoiceText, Delta, End, Event, Preview, Usag
 from diffusion_plugin.engine_args import DiffusionEngineArgs
 from diffusion_plugin.intake import Intake, SeqRequest
 from diffusion_plugin.loop import DiffusionLoop, EventKind
-from diffusion_plugin.memory import GIB, MemoryBudget, default_budget_bytes, host_available_bytes, step_transient_bytes
+from diffusion_plugin.memory import (
+    GIB,
+    KV_FRACTION,
+    MemoryBudget,
+    default_budget_bytes,
+    host_available_bytes,
+    plan_pool,
+    step_transient_bytes,
+)
 from diffusion_plugin.request import SeqStatus
 from diffusion_plugin.scheduler import Scheduler
 from tandem_core.errors import ErrorKind, TandemError
@@ -64,8 +72,10 @@ class DiffusionEngine:
                                           num_threads=self.args.num_threads)
         self.adapter = adapter
         memory = self._budget()
-        # The fast mode's KV pool is sized for the budget the scheduler admits against.
-        runner = Runner(adapter, self.sampler, chunk_rows=self._chunk_rows(), kv_budget_bytes=memory.budget_bytes)
+        # The fast mode's KV pool is sized for the budget the scheduler admits against (on a
+        # device: its planned pages per layer group).
+        runner = Runner(adapter, self.sampler, chunk_rows=self._chunk_rows(), kv_budget_bytes=memory.budget_bytes,
+                        kv_groups=memory.groups)
         return self.start_with(adapter, runner, memory)
 
     def start_with(self, adapter, runner, memory: MemoryBudget | None) -> EngineInfo:
@@ -91,15 +101,29 @@ class DiffusionEngine:
         # memory), less the fixed vocab-wide transient of a step.
         shape = self.adapter.memory_shape()
         if self.memory_budget_gib is not None:
-            return MemoryBudget(shape, int(self.memory_budget_gib * GIB))
-        if str(self.device).startswith("cuda"):
-            import torch
-
-            free = torch.cuda.mem_get_info(torch.device(self.device))[0]
+            budget = int(self.memory_budget_gib * GIB)
         else:
-            free = host_available_bytes()
-        transient = step_transient_bytes(shape, self.sampler, self._chunk_rows())
-        return MemoryBudget(shape, default_budget_bytes(free, transient))
+            if self._device_pool():
+                import torch
+
+                free = torch.cuda.mem_get_info(torch.device(self.device))[0]
+            else:
+                free = host_available_bytes()
+            transient = step_transient_bytes(shape, self.sampler, self._chunk_rows())
+            budget = default_budget_bytes(free, transient)
+        return self.budget_for(shape, budget)
+
+    def _device_pool(self) -> bool:
+        return str(self.device).startswith("cuda")
+
+    def budget_for(self, shape, budget_bytes: int) -> MemoryBudget:
+        """The budget the scheduler admits against. Fast sampler on a device (the KV page pool
+        reserved at start): ``kv_cache_fraction`` of it is the pool, planned per layer group for
+        ``max_batch`` sequences (``memory.plan_pool``), the rest is for the sequences' other bytes."""
+        if self.sampler != "fast" or not self._device_pool():
+            return MemoryBudget(shape, budget_bytes)
+        fraction = KV_FRACTION if self.args.kv_cache_fraction is None else self.args.kv_cache_fraction
+        return MemoryBudget(shape, budget_bytes, plan_pool(shape, int(budget_bytes * fraction), self.max_batch))
 
     # -- requests -------------------------------------------------------------------------
     def chat(self, body: dict, request_id: str) -> AsyncIterator[Item]:
@@ -197,7 +221,7 @@ class DiffusionEngine:
     async def stats(self) -> EngineStats:
         if self.loop is None:
             return EngineStats(running=0)
-        s = self.loop.scheduler
+        s, mem = self.loop.scheduler, self.memory
         st = s.stats
         ls = self.loop.stats
         return EngineStats(running=len(s.running), waiting=len(s.waiting), extra={
@@ -209,7 +233,10 @@ class DiffusionEngine:
             "block_seconds": ls.block_seconds, "active_batch": len(s.running),
             "canvas_occupancy": len(s.running) / s.max_batch, "sampler": self.sampler,
             "memory_budget_bytes": self.memory.budget_bytes if self.memory else None,
-            "memory_reserved_bytes": s.reserved_bytes,
+            "memory_reserved_bytes": s.reserved_bytes + (mem.pages_bytes(s.pages_reserved) if mem else 0),
+            "kv_pool_bytes": mem.pool_bytes if mem else 0,  # a device's page pool (planned): part of the budget
+            "kv_pages_reserved": list(s.pages_reserved),  # per layer group (full first), one layer's pages
+            "kv_pages_capacity": [g.pages for g in mem.groups] if mem else [],
             "waiting_for_memory": st.waiting_for_memory, **self.intake.image_stats},
             progress=st.row_steps + st.encode_passes)
 

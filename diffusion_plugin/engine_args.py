@@ -35,6 +35,12 @@ class DiffusionEngineArgs(BaseModel):
     memory_budget_gib: float | None = Field(None, gt=0, description="GiB sequences may reserve (KV + per-row "
                                             "state); sequences beyond it wait. None: a safe fraction of the memory "
                                             "free once the weights are loaded, less a step's transient.")
+    kv_cache_fraction: float | None = Field(None, gt=0, lt=1, description="Fast sampler on a cuda device (where "
+                                            "the KV page pool is reserved at start): the share of the memory budget "
+                                            "the pool takes; the rest covers the sequences' other bytes (state, "
+                                            "activations, prompt pass). Larger: more long sequences at once, fewer "
+                                            "long prompts in their prompt pass. Ignored on the host (pages are "
+                                            "committed as written) and by the exact sampler. None: 0.5.")
     max_images: int = Field(_IMAGES.max_images, ge=0, description="Images one request may carry.")
     max_image_bytes: int = Field(_IMAGES.max_image_bytes, ge=1, description="Largest encoded image, in bytes "
                                  "(beyond: 413).")

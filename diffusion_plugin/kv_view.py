@@ -6,8 +6,11 @@ for values; page 0 is the null page (zeros, never handed out). A sequence's cach
 commits into the sequence's own pages (a page covers positions ``[p*ATTN_BLOCK, (p+1)*ATTN_BLOCK)``
 of that sequence) and return what a ``DynamicLayer`` / ``DynamicSlidingWindowLayer`` returns
 (history + new tokens, the same values), so the encoder's masks and attention are unchanged. A
-sliding layer gives back the pages wholly before its window. Retiring a sequence gives its pages
-back; a page is zeroed when handed out, so every page a kernel reads holds finite values.
+sliding layer gives back the pages wholly before its window, before it takes new ones (the
+history it returns was read first), and never writes tokens that fall before its window: a
+sequence holds at most ``memory._pages(window)`` pages of a sliding layer at any moment, a long
+prompt's pass included. Retiring a sequence gives its pages back; a page is zeroed when handed
+out, so every page a kernel reads holds finite values.
 
 The decoder reads the pool in place (``attention.blocked_attention``), one key block per kernel
 step through each row's block table, with each row's valid positions: nothing is copied when a
@@ -15,7 +18,9 @@ row joins or leaves; per batch only the block tables (a few ints per row) are re
 
 The pool is allocated once, at its full size, with ``torch.empty``: on the host the kernel
 commits its memory page by page as it is written (RSS grows with the KV in use, not with the
-pool's size); on a device it is reserved at start, as vLLM reserves its KV cache. The exact
+pool's size); on a device it is reserved at start, as vLLM reserves its KV cache, with a page
+count per layer (``memory.plan_pool``: sliding layers get what ``max_batch`` sequences can
+hold in their windows, full layers the rest) that the scheduler admits against. The exact
 mode needs none of this: each row keeps HF's own ``DynamicCache``, as ``generate()`` does.
 """
 
@@ -28,22 +33,30 @@ from diffusion_plugin.attention import ATTN_BLOCK, FastSpec, PagedKV
 
 
 class KVPool:
-    """Per layer: K and V pages and a free list. ``layers``: per layer (kv_heads, head_dim)."""
+    """Per layer: K and V pages and a free list. ``layers``: per layer (kv_heads, head_dim);
+    ``num_pages``: per layer (with the null page), or one count for every layer."""
 
-    def __init__(self, layers: list[tuple[int, int]], num_pages: int, dtype: torch.dtype, device):
-        if num_pages < 2:
-            raise ValueError("the KV pool needs at least 2 pages (page 0 is the null page)")
-        self.num_pages = num_pages
-        self.k = [torch.empty((num_pages, h, ATTN_BLOCK, d), dtype=dtype, device=device) for h, d in layers]
+    def __init__(self, layers: list[tuple[int, int]], num_pages: int | list[int], dtype: torch.dtype, device):
+        counts = [num_pages] * len(layers) if isinstance(num_pages, int) else list(num_pages)
+        if len(counts) != len(layers):
+            raise ValueError(f"{len(counts)} page counts for {len(layers)} layers")
+        if min(counts) < 2:
+            raise ValueError("the KV pool needs at least 2 pages per layer (page 0 is the null page)")
+        self.num_pages = counts
+        self.k = [torch.empty((n, h, ATTN_BLOCK, d), dtype=dtype, device=device)
+                  for n, (h, d) in zip(counts, layers, strict=True)]
         self.v = [torch.empty_like(k) for k in self.k]
         for t in (*self.k, *self.v):
             t[0].zero_()
-        self.free = [list(range(num_pages - 1, 0, -1)) for _ in layers]
+        self.free = [list(range(n - 1, 0, -1)) for n in counts]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
     def take(self, layer: int) -> int:
         if not self.free[layer]:
-            raise MemoryError(f"KV pool of layer {layer} exhausted ({self.num_pages} pages): admission should have "
-                              "prevented this; this is a bug")
+            raise MemoryError(f"KV pool of layer {layer} exhausted ({self.num_pages[layer]} pages): admission should "
+                              "have prevented this; this is a bug")
         page = self.free[layer].pop()
         self.k[layer][page].zero_()
         self.v[layer][page].zero_()
@@ -53,7 +66,7 @@ class KVPool:
         self.free[layer].extend(reversed(pages))
 
     def pages_in_use(self, layer: int) -> int:
-        return self.num_pages - 1 - len(self.free[layer])
+        return self.num_pages[layer] - 1 - len(self.free[layer])
 
 
 class _Paged:
@@ -71,8 +84,13 @@ class _Paged:
         return 0 if self.window is None else max(0, length - (self.window - 1))
 
     def _write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys/values (1, kv_heads, n, d) at positions [length, length + n)."""
-        pos, end = self.length, self.length + keys.shape[2]
+        """keys/values (1, kv_heads, n, d) at positions [length, length + n). A sliding layer
+        first gives back the pages wholly before its window once they are written (read by
+        ``update`` already), then skips the tokens that fall on those pages."""
+        end = self.length + keys.shape[2]
+        if self.window is not None:
+            self._drop_before(self.visible_from(end))
+        pos = max(self.length, self.first_page * ATTN_BLOCK)
         while pos < end:
             logical, offset = divmod(pos, ATTN_BLOCK)
             while self.first_page + len(self.pages) <= logical:
@@ -111,7 +129,12 @@ class _Paged:
         if self.window is None:
             return
         self.cumulative_length = self.length  # what DynamicSlidingWindowLayer's mask sizes read
-        drop = self.visible_from(self.length) // ATTN_BLOCK - self.first_page
+        self._drop_before(self.visible_from(self.length))
+
+    def _drop_before(self, position: int) -> None:
+        """Give back the pages wholly before ``position`` (possibly more than are held: the
+        pages a long write skips are never taken)."""
+        drop = position // ATTN_BLOCK - self.first_page
         if drop > 0:
             self.pool.give(self.layer, self.pages[:drop])
             self.pages, self.first_page = self.pages[drop:], self.first_page + drop

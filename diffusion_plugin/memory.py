@@ -16,6 +16,14 @@ A sequence's reservation covers its whole life, computed from the model's shape:
 The vocab-wide part of a step runs a bounded number of rows at a time, so its transient
 (``VOCAB_UNITS`` canvas x vocab float32 tensors per row in flight) is a fixed cost taken off the
 budget once, not per sequence.
+
+Where the fast mode's page pool is reserved at once (a device), the budget is split in two
+(``plan_pool``): the pool, as pages per layer group (full-attention layers; sliding layers of
+each window), and the rest, which the sequences' other bytes (state, activations, prompt pass,
+the encoder's history copy) are reserved against. A sequence then reserves its pages in each
+group (what it may hold there at most) against that group's pages, and its other bytes against
+the rest: the two are counted once each and never double-booked. On the host the pool commits
+pages as they are written, so sequences reserve all their bytes against the whole budget.
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ SAFETY_FRACTION = 0.8  # of the memory free at engine start (after the weights a
 # the real shape, batch 1).
 VOCAB_UNITS = {"exact": 5, "fast": 4}
 PAGE_TOKENS = 256  # tokens per KV page (= attention.ATTN_BLOCK, the kernel's key block)
+# Device, fast mode: the share of the budget the KV page pool takes by default (engine_args
+# ``kv_cache_fraction`` overrides it). Chosen so that a flood of long prompts at the real shape
+# fills both parts at about the same time (see ``plan_pool``).
+KV_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -63,17 +75,71 @@ def kv_page_bytes(shape: MemoryShape, tokens: int) -> int:
 
 
 def pool_pages(shape: MemoryShape, budget_bytes: int, lazy: bool = True) -> int:
-    """Pages per layer of the fast mode's pool (+ the null page).
+    """Pages per layer of the fast mode's pool (+ the null page), every layer the same count.
 
     ``lazy`` (host memory, committed page by page as written): enough for every set of sequences
     that fits ``budget_bytes``: each holds as many pages in every full-attention layer (and no
     more in a sliding one) and its reservation counts them all, so the full layers' pages bound
-    every layer's. Otherwise (a device, where the pool is reserved at once): the pool's bytes
-    stay within the budget (every layer gets the same count), which the full layers could
-    outgrow only if sequences whose reservations are mostly KV filled the whole budget."""
+    every layer's. Otherwise: the pool's bytes stay within the budget; without admission by
+    pages (``plan_pool``) the full layers can run out first, so only tests use it."""
     full = [width for width, window in shape.layers if not window] or [w for w, _ in shape.layers]
     widths = full if lazy else [w for w, _ in shape.layers]
     return budget_bytes // sum(page_bytes(shape, width) for width in widths) + 1
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers with one window (None: full attention): a sequence holds as many pages in each."""
+
+    window: int | None
+    layers: tuple[int, ...]  # layer indices
+    page_bytes: int  # one page in every layer of the group
+    pages: int = 0  # per layer, the null page excluded (0: not planned)
+
+    def seq_pages(self, tokens: int) -> int:
+        return _pages(tokens, self.window)
+
+
+def layer_groups(shape: MemoryShape) -> tuple[KVGroup, ...]:
+    """The shape's layers grouped by window, full attention first, then windows ascending."""
+    by: dict[int | None, list[int]] = {}
+    for i, (_width, window) in enumerate(shape.layers):
+        by.setdefault(window or None, []).append(i)
+    order = sorted(by, key=lambda w: (w is not None, w or 0))
+    return tuple(KVGroup(w, tuple(by[w]), sum(page_bytes(shape, shape.layers[i][0]) for i in by[w])) for w in order)
+
+
+def plan_pool(shape: MemoryShape, pool_bytes: int, max_batch: int | None = None) -> tuple[KVGroup, ...]:
+    """Pages per layer group for a pool reserved at once within ``pool_bytes``.
+
+    A sliding layer never holds more than ``_pages(window)`` pages of a sequence, so with
+    ``max_batch`` sequences it never needs more than ``max_batch`` times that: each sliding
+    group gets that many (no more than an equal split of the bytes over every layer would give
+    it), and the full-attention layers, whose pages grow with the sequence, get the rest. A
+    long sequence holds many pages in each full layer and a few in each sliding one, so an
+    equal count per layer (``pool_pages(lazy=False)``) ran the full layers out at a fraction of
+    the bytes. Without full layers the bytes left over are not reserved."""
+    groups = layer_groups(shape)
+    equal = pool_bytes // sum(g.page_bytes for g in groups)
+    planned, left = {}, pool_bytes
+    for g in groups:
+        if g.window is not None:
+            cap = equal if max_batch is None else min(equal, max_batch * g.seq_pages(1 << 62))
+            planned[g.window] = cap
+            left -= cap * g.page_bytes
+    full = [g for g in groups if g.window is None]
+    if full:
+        planned[None] = left // full[0].page_bytes
+    return tuple(KVGroup(g.window, g.layers, g.page_bytes, planned[g.window]) for g in groups)
+
+
+def layer_pages(shape: MemoryShape, groups: tuple[KVGroup, ...]) -> list[int]:
+    """Per layer: its group's pages + the null page (``KVPool``'s counts)."""
+    out = [0] * len(shape.layers)
+    for g in groups:
+        for i in g.layers:
+            out[i] = g.pages + 1
+    return out
 
 
 def sequence_bytes(shape: MemoryShape, prompt_tokens: int, max_tokens: int) -> int:
@@ -97,22 +163,58 @@ def step_transient_bytes(shape: MemoryShape, sampler: str, chunk_rows: int) -> i
 
 @dataclass
 class MemoryBudget:
-    """The scheduler's view: bytes available to sequences, and each one's reservation."""
+    """The scheduler's view: bytes available to sequences, and each one's reservation.
+
+    ``groups`` empty (the host, or the exact mode): a sequence reserves all its bytes against
+    ``budget_bytes``. Planned (``plan_pool``: a device's fast mode): the pool takes
+    ``pool_bytes`` of the budget; a sequence reserves its pages per group against each group's
+    ``pages`` and its other bytes against the rest (``rest_bytes``)."""
 
     shape: MemoryShape
     budget_bytes: int
+    groups: tuple[KVGroup, ...] = ()
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(g.pages * g.page_bytes for g in self.groups)
+
+    @property
+    def rest_bytes(self) -> int:
+        return self.budget_bytes - self.pool_bytes
 
     def need(self, prompt_tokens: int, max_tokens: int) -> int:
-        return sequence_bytes(self.shape, prompt_tokens, max_tokens)
+        """Bytes reserved against ``rest_bytes`` (every byte when the pool is not planned)."""
+        total = sequence_bytes(self.shape, prompt_tokens, max_tokens)
+        if self.groups:
+            total -= kv_page_bytes(self.shape, prompt_tokens + max_tokens + self.shape.canvas_length)
+        return total
+
+    def pages(self, prompt_tokens: int, max_tokens: int) -> tuple[int, ...]:
+        """Pages reserved per group (one layer's; empty when the pool is not planned)."""
+        tokens = prompt_tokens + max_tokens + self.shape.canvas_length
+        return tuple(g.seq_pages(tokens) for g in self.groups)
+
+    def pages_bytes(self, pages: tuple[int, ...]) -> int:
+        """The pool's bytes under ``pages`` (per group, one layer's count)."""
+        return sum(p * g.page_bytes for p, g in zip(pages, self.groups, strict=True))
+
+    def fits(self, need: int, pages: tuple[int, ...], held: int = 0, held_pages: tuple[int, ...] = ()) -> bool:
+        """``need`` bytes and ``pages`` beside what is ``held`` already."""
+        held_pages = held_pages or (0,) * len(self.groups)
+        return held + need <= self.rest_bytes and all(
+            h + p <= g.pages for g, h, p in zip(self.groups, held_pages, pages, strict=True))
+
+    def fits_alone(self, prompt_tokens: int, max_tokens: int) -> bool:
+        return self.fits(self.need(prompt_tokens, max_tokens), self.pages(prompt_tokens, max_tokens))
 
     def max_prompt_tokens(self, max_tokens: int) -> int:
         """The longest prompt that fits alone with this max_tokens (0 if none does)."""
         lo, hi = 0, 1
-        while self.need(hi, max_tokens) <= self.budget_bytes and hi < 1 << 40:
+        while self.fits_alone(hi, max_tokens) and hi < 1 << 40:
             hi *= 2
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.need(mid, max_tokens) <= self.budget_bytes:
+            if self.fits_alone(mid, max_tokens):
                 lo = mid
             else:
                 hi = mid - 1

@@ -60,18 +60,21 @@ class _Row:
 
 
 class Runner:
-    def __init__(self, adapter, sampler: str = "exact", chunk_rows: int = 1, kv_budget_bytes: int | None = None):
-        """``kv_budget_bytes`` (fast mode): the memory budget the KV pool is sized for
-        (``memory.pool_pages``: whatever the budget admits fits in it); default: the budget the
-        engine derives by default from the memory free now. The pool is one ``torch.empty``
-        per layer: on the host only the pages written take memory; on a device it is reserved
-        at once, within the budget."""
+    def __init__(self, adapter, sampler: str = "exact", chunk_rows: int = 1, kv_budget_bytes: int | None = None,
+                 kv_groups: tuple[memory.KVGroup, ...] = ()):
+        """Fast mode's KV pool, one ``torch.empty`` per layer: ``kv_groups`` (``memory.plan_pool``,
+        the plan the scheduler admits against: a device) gives its pages per layer group.
+        Otherwise ``kv_budget_bytes``, the memory budget, sizes it (default: the budget the engine
+        derives by default from the memory free now): on the host (``memory.pool_pages``,
+        lazy: only the pages written take memory, and whatever the budget admits fits), or an
+        equal count per layer within the budget on a device without a plan (tests)."""
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}")
         self.adapter = adapter
         self.sampler = sampler
         self.chunk_rows = max(1, int(chunk_rows)) if sampler == "fast" else 1  # exact: HF's (1, C, V)
         self.kv_budget_bytes = kv_budget_bytes
+        self.kv_groups = tuple(kv_groups)
         self.pool: KVPool | None = None  # fast mode: made at the first admission
         self.rows: dict[str, _Row] = {}
         self._views = FastViews()  # fast mode only
@@ -98,12 +101,15 @@ class Runner:
     def _kv_pool(self) -> KVPool:
         if self.pool is None:
             shape = self.adapter.memory_shape()
-            budget = self.kv_budget_bytes
-            if budget is None:
-                transient = memory.step_transient_bytes(shape, self.sampler, self.chunk_rows)
-                budget = memory.default_budget_bytes(_free_bytes(self.adapter.device), transient)
-            pages = memory.pool_pages(shape, budget, lazy=self.adapter.device.type == "cpu")
-            self.pool = KVPool(self.adapter.kv_layout(), max(2, pages), self.adapter.model.dtype, self.adapter.device)
+            if self.kv_groups:
+                pages = [max(2, n) for n in memory.layer_pages(shape, self.kv_groups)]
+            else:
+                budget = self.kv_budget_bytes
+                if budget is None:
+                    transient = memory.step_transient_bytes(shape, self.sampler, self.chunk_rows)
+                    budget = memory.default_budget_bytes(_free_bytes(self.adapter.device), transient)
+                pages = max(2, memory.pool_pages(shape, budget, lazy=self.adapter.device.type == "cpu"))
+            self.pool = KVPool(self.adapter.kv_layout(), pages, self.adapter.model.dtype, self.adapter.device)
         return self.pool
 
     def held_bytes(self) -> int:

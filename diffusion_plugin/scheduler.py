@@ -13,8 +13,11 @@ Each loop iteration is ``schedule()`` -> runner executes the ``StepBatch`` -> ``
 - Memory (``memory.MemoryBudget``): each sequence reserves what it may hold at most (its KV
   at prompt + max_tokens + canvas, its per-row state) from admission to retirement; the head
   of the queue joins only if its reservation fits, and nobody overtakes it (FIFO: a long
-  prompt is not starved by short ones). A sequence that cannot fit even alone is refused
-  before it is queued (``fits_alone``, checked by the engine: a 400).
+  prompt is not starved by short ones). Where the KV page pool is planned (a device), the
+  reservation is its pages per layer group, each against that group's pages, plus its other
+  bytes against the rest of the budget: a pool never runs out mid-request. A sequence that
+  cannot fit even alone is refused before it is queued (``fits_alone``, checked by the
+  engine: a 400).
 Aborts are drained at the top of ``schedule()``, so a cancelled sequence never reaches
 another forward.
 """
@@ -67,21 +70,32 @@ class Scheduler:
         self._to_free: list[str] = []
         self.stats = SchedulerStats()
         self.memory = memory
-        self.reserved: dict[str, int] = {}  # bytes per running sequence
+        self.reserved: dict[str, int] = {}  # bytes per running sequence (against memory.rest_bytes)
+        self.reserved_pages: dict[str, tuple[int, ...]] = {}  # pages per layer group per running sequence
 
     # -- memory -----------------------------------------------------------------------------
     def need(self, seq: Sequence) -> int:
         return self.memory.need(len(seq.prompt_ids), seq.params.max_tokens) if self.memory else 0
 
+    def pages(self, seq: Sequence) -> tuple[int, ...]:
+        return self.memory.pages(len(seq.prompt_ids), seq.params.max_tokens) if self.memory else ()
+
     def fits_alone(self, seq: Sequence) -> bool:
-        return self.memory is None or self.need(seq) <= self.memory.budget_bytes
+        return self.memory is None or self.memory.fits(self.need(seq), self.pages(seq))
 
     @property
     def reserved_bytes(self) -> int:
         return sum(self.reserved.values())
 
+    @property
+    def pages_reserved(self) -> tuple[int, ...]:
+        """Pages reserved per layer group (``memory.groups``' order; empty when not planned)."""
+        width = len(self.memory.groups) if self.memory else 0
+        return tuple(sum(p[g] for p in self.reserved_pages.values()) for g in range(width))
+
     def _fits_now(self, seq: Sequence) -> bool:
-        return self.memory is None or self.reserved_bytes + self.need(seq) <= self.memory.budget_bytes
+        return self.memory is None or self.memory.fits(self.need(seq), self.pages(seq), self.reserved_bytes,
+                                                       self.pages_reserved)
 
     # -- requests in --------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -117,6 +131,7 @@ class Scheduler:
                 seq.status = SeqStatus.NEEDS_ENCODE
                 self.running[seq.seq_id] = seq
                 self.reserved[seq.seq_id] = self.need(seq)
+                self.reserved_pages[seq.seq_id] = self.pages(seq)
                 batch.admit.append(seq.seq_id)
             blocked = bool(self.waiting) and len(self.running) < self.max_batch
             self.stats.waiting_for_memory = len(self.waiting) if blocked else 0
@@ -184,6 +199,7 @@ class Scheduler:
         seq.status = status
         self.running.pop(seq.seq_id, None)
         self.reserved.pop(seq.seq_id, None)
+        self.reserved_pages.pop(seq.seq_id, None)
         self._to_free.append(seq.seq_id)
         return Finished(seq)
 
