@@ -2,12 +2,19 @@
 
 import random
 
+import pytest
+
+from diffusion_plugin.engine import DiffusionEngine
+from diffusion_plugin.engine_args import DiffusionEngineArgs
 from diffusion_plugin.memory import (
+    KV_FRACTION,
     PAGE_TOKENS,
     MemoryBudget,
     MemoryShape,
     kv_bytes,
     kv_page_bytes,
+    layer_pages,
+    plan_pool,
     pool_pages,
     sequence_bytes,
 )
@@ -119,3 +126,100 @@ def test_the_page_pool_holds_every_set_of_sequences_the_budget_admits():
             if window:
                 per_seq = [min(p, -(-window // PAGE_TOKENS) + 1) for p in per_seq]
             assert sum(per_seq) <= pages
+
+
+# -- a device's pool (reserved at once): pages planned per layer group, admission by pages -------------
+# The released model's pattern (5 sliding : 1 full) with the shape model's widths.
+HYBRID = MemoryShape(canvas_length=256, vocab_size=262144, hidden_size=128, itemsize=4,
+                     layers=tuple((1024, None) if i % 6 == 5 else (2048, 1023) for i in range(12)), num_heads=16)
+GIB_ = 1 << 30
+
+
+def _flood(budget, lengths, max_batch=64):
+    """Admit ``(prompt, max_tokens)`` sequences in order at one boundary; the scheduler."""
+    s = Scheduler(max_batch=max_batch, canvas_length=budget.shape.canvas_length, memory=budget)
+    for i, (prompt, max_tokens) in enumerate(lengths):
+        s.add(_seq(f"s{i}", prompt=prompt, max_tokens=max_tokens))
+    s.schedule()
+    return s
+
+
+def test_the_plan_gives_sliding_layers_only_what_max_batch_windows_hold():
+    plan = plan_pool(HYBRID, 8 * GIB_, max_batch=16)
+    full, sliding = plan
+    assert (full.window, sliding.window) == (None, 1023) and len(full.layers) == 2 and len(sliding.layers) == 10
+    assert sliding.pages == 16 * 5  # a 1023-token window straddles 5 pages
+    pool = sum(g.pages * g.page_bytes for g in plan)
+    assert 8 * GIB_ - full.page_bytes < pool <= 8 * GIB_  # the full layers take the rest
+    equal = pool_pages(HYBRID, 8 * GIB_, lazy=False) - 1
+    assert full.pages > 3 * equal  # what an equal count per layer gave them
+    assert layer_pages(HYBRID, plan) == [full.pages + 1 if i % 6 == 5 else sliding.pages + 1 for i in range(12)]
+    # A small pool: no group gets more than an equal split would give it.
+    small = plan_pool(HYBRID, 64 * full.page_bytes, max_batch=16)
+    assert small[1].pages <= small[0].pages and sum(g.pages * g.page_bytes for g in small) <= 64 * full.page_bytes
+
+
+def test_long_sequences_are_admitted_only_as_far_as_the_full_layers_pages_allow():
+    budget = DiffusionEngine("m", "", {"sampler": "fast", "device": "cuda", "max_batch": 16}).budget_for(
+        HYBRID, 12 * GIB_)
+    full, sliding = budget.groups
+    assert budget.pool_bytes <= KV_FRACTION * 12 * GIB_ and budget.pool_bytes + budget.rest_bytes == 12 * GIB_
+    long_ = (20_000 - 512 - 256, 512)  # 20,000 tokens: 79 pages per full layer, 5 per sliding one
+    s = _flood(budget, [long_] * 16, max_batch=16)
+    admitted = len(s.running)
+    assert 1 < admitted == full.pages // 79 < 16 and s.pages_reserved == (79 * admitted, 5 * admitted)
+    assert s.reserved_bytes + budget.need(*long_) <= budget.rest_bytes  # bytes were not what stopped it
+    # An equal count per layer within the same pool bytes (before) held fewer of them.
+    equal = budget.pool_bytes // sum(g.page_bytes for g in budget.groups)
+    assert equal // 79 < admitted
+    # Short sequences (2 pages per layer) fill max_batch on the same plan.
+    assert len(_flood(budget, [(100, 100)] * 20, max_batch=16).running) == 16
+
+
+def test_short_sequences_pack_to_the_byte_budget():
+    budget = DiffusionEngine("m", "", {"sampler": "fast", "device": "cuda", "max_batch": 64,
+                                       "kv_cache_fraction": 0.9}).budget_for(HYBRID, 8 * GIB_)
+    short = (100, 100)
+    s = _flood(budget, [short] * 64)
+    assert 0 < len(s.running) < 64 and all(p <= g.pages for p, g in zip(s.pages_reserved, budget.groups, strict=True))
+    assert s.reserved_bytes <= budget.rest_bytes < s.reserved_bytes + budget.need(*short)
+
+
+def test_random_floods_never_exceed_a_group_or_the_rest():
+    rng = random.Random(1)
+    for fraction in (0.2, 0.5, 0.8):
+        budget = DiffusionEngine("m", "", {"sampler": "fast", "device": "cuda:0", "max_batch": 16,
+                                           "kv_cache_fraction": fraction}).budget_for(HYBRID, 8 * GIB_)
+        for _ in range(50):
+            s = Scheduler(max_batch=16, canvas_length=256, memory=budget)
+            d = FakeDenoiser(s)
+            for i in range(30):
+                s.add(_seq(f"s{i}", prompt=rng.choice([10, 700, 3000, 20_000]), max_tokens=rng.randint(1, 2048)))
+            for _ in range(10):
+                d.step()
+                assert all(p <= g.pages for p, g in zip(s.pages_reserved, budget.groups, strict=True))
+                assert s.reserved_bytes <= budget.rest_bytes
+                assert s.reserved_bytes + budget.pages_bytes(s.pages_reserved) <= budget.budget_bytes
+
+
+def test_a_sequence_the_pages_can_never_hold_is_refused():
+    budget = MemoryBudget(HYBRID, 4 * GIB_, plan_pool(HYBRID, 2 * GIB_, max_batch=4))
+    longest = budget.max_prompt_tokens(256)
+    assert budget.fits_alone(longest, 256) and not budget.fits_alone(longest + 1, 256)
+    assert -(-(longest + 1 + 256 + 256) // PAGE_TOKENS) > budget.groups[0].pages  # the full layers' pages refuse it
+    s = Scheduler(max_batch=4, canvas_length=256, memory=budget)
+    assert not s.fits_alone(_seq("huge", prompt=longest + 1, max_tokens=256))
+
+
+def test_the_host_and_the_exact_sampler_keep_one_byte_budget():
+    for args in ({"sampler": "fast", "device": "cpu"}, {"sampler": "exact", "device": "cuda"}):
+        budget = DiffusionEngine("m", "", args).budget_for(HYBRID, 4 * GIB_)
+        assert budget.groups == () and budget.pool_bytes == 0 and budget.rest_bytes == 4 * GIB_
+        assert budget.need(3000, 500) == sequence_bytes(HYBRID, 3000, 500) and budget.pages(3000, 500) == ()
+
+
+@pytest.mark.parametrize("bad", [0, 1, 1.5, -0.1])
+def test_kv_cache_fraction_is_validated(bad):
+    with pytest.raises(ValueError, match="kv_cache_fraction"):
+        DiffusionEngine("m", "", {"kv_cache_fraction": bad})
+    assert DiffusionEngineArgs(kv_cache_fraction=0.3).kv_cache_fraction == 0.3
