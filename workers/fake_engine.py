@@ -6,7 +6,8 @@ Told through ``engine_args`` (or attributes) to be slow (``token_delay_s``), to 
 Fault injection across processes (a fake inside a Ray actor): with ``engine_args.control_file``
 set, the engine reads that JSON file (``{"<pid>": "hang" | "stall" | "raise"}``) before each token
 and each health check. A fault names the process, so it dies with it: the restarted replica is
-healthy again. ``hang``: tokens and health checks do not return while it lasts; ``stall``:
+healthy again; ``"*"`` names every process without a fault of its own (replicas not created yet
+too: autoscaling tests). ``hang``: tokens and health checks do not return while it lasts; ``stall``:
 tokens do not come but health checks pass; ``raise``: requests and health checks fail, as an engine whose core died.
 """
 
@@ -50,7 +51,8 @@ class FakeEngine:
             return None
         try:
             with open(self.control_file) as f:
-                return json.load(f).get(str(os.getpid()))
+                faults = json.load(f)
+            return faults.get(str(os.getpid()), faults.get("*"))
         except (OSError, ValueError):
             return None
 
