@@ -41,6 +41,9 @@ PAGE_TOKENS = 256  # tokens per KV page (= attention.ATTN_BLOCK, the kernel's ke
 # ``kv_cache_fraction`` overrides it). Chosen so that a flood of long prompts at the real shape
 # fills both parts at about the same time (see ``plan_pool``).
 KV_FRACTION = 0.5
+# Device, fast mode: the longest sequence the page pool's split between layer groups is balanced
+# for (``plan_pool``).
+PLAN_TOKENS = 16_384
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,11 @@ class KVGroup:
     def seq_pages(self, tokens: int) -> int:
         return _pages(tokens, self.window)
 
+    @property
+    def window_pages(self) -> int | None:
+        """The most pages a sequence holds in one of its layers (None: unbounded, full attention)."""
+        return _pages(1 << 62, self.window) if self.window else None
+
 
 def layer_groups(shape: MemoryShape) -> tuple[KVGroup, ...]:
     """The shape's layers grouped by window, full attention first, then windows ascending."""
@@ -109,28 +117,42 @@ def layer_groups(shape: MemoryShape) -> tuple[KVGroup, ...]:
     return tuple(KVGroup(w, tuple(by[w]), sum(page_bytes(shape, shape.layers[i][0]) for i in by[w])) for w in order)
 
 
-def plan_pool(shape: MemoryShape, pool_bytes: int, max_batch: int | None = None) -> tuple[KVGroup, ...]:
+def group_shares(shape: MemoryShape, long_tokens: int = PLAN_TOKENS) -> tuple[float, ...]:
+    """Per group (``layer_groups``' order): the largest share of a sequence's KV page bytes the
+    group takes at any length up to ``long_tokens``. Short sequences hold as many pages in every
+    layer (the sliding layers' share peaks there, or where their window fills); long ones hold
+    many pages in each full layer and ``_pages(window)`` in each sliding one (the full layers'
+    share grows with the length)."""
+    groups = layer_groups(shape)
+    lengths = {1, long_tokens} | {min(long_tokens, PAGE_TOKENS * g.window_pages) for g in groups if g.window}
+    top = [0.0] * len(groups)
+    for tokens in lengths:
+        held = [g.seq_pages(tokens) * g.page_bytes for g in groups]
+        top = [max(t, h / sum(held)) for t, h in zip(top, held, strict=True)]
+    return tuple(top)
+
+
+def plan_pool(shape: MemoryShape, pool_bytes: int, max_batch: int | None = None,
+              long_tokens: int = PLAN_TOKENS) -> tuple[KVGroup, ...]:
     """Pages per layer group for a pool reserved at once within ``pool_bytes``.
 
-    A sliding layer never holds more than ``_pages(window)`` pages of a sequence, so with
-    ``max_batch`` sequences it never needs more than ``max_batch`` times that: each sliding
-    group gets that many (no more than an equal split of the bytes over every layer would give
-    it), and the full-attention layers, whose pages grow with the sequence, get the rest. A
-    long sequence holds many pages in each full layer and a few in each sliding one, so an
-    equal count per layer (``pool_pages(lazy=False)``) ran the full layers out at a fraction of
-    the bytes. Without full layers the bytes left over are not reserved."""
+    The split is static while the mix is not: each group gets its ``group_shares`` of the bytes,
+    normalised, so that a flood of sequences of any one length from one page to ``long_tokens``
+    reaches at least ``1 / sum(group_shares)`` of the concurrency a pool shared by every group
+    would give it (0.68 at the released model's layout with 16k tokens; longer sequences still
+    fit, fewer at once). An equal count per layer (``pool_pages(lazy=False)``) gave long
+    sequences a small fraction of it: their full layers ran out first. A sliding layer never
+    holds more than ``_pages(window)`` pages of a sequence, so with ``max_batch`` sequences
+    never more than ``max_batch`` times that: the bytes a sliding group would get beyond go to
+    the full layers (without full layers they are not reserved)."""
     groups = layer_groups(shape)
-    equal = pool_bytes // sum(g.page_bytes for g in groups)
-    planned, left = {}, pool_bytes
-    for g in groups:
-        if g.window is not None:
-            cap = equal if max_batch is None else min(equal, max_batch * g.seq_pages(1 << 62))
-            planned[g.window] = cap
-            left -= cap * g.page_bytes
-    full = [g for g in groups if g.window is None]
-    if full:
-        planned[None] = left // full[0].page_bytes
-    return tuple(KVGroup(g.window, g.layers, g.page_bytes, planned[g.window]) for g in groups)
+    top = group_shares(shape, long_tokens)
+    pages = [int(pool_bytes * t / sum(top)) // g.page_bytes for g, t in zip(groups, top, strict=True)]
+    if max_batch is not None:
+        pages = [min(n, max_batch * g.window_pages) if g.window else n for g, n in zip(groups, pages, strict=True)]
+    left = pool_bytes - sum(n * g.page_bytes for g, n in zip(groups, pages, strict=True))
+    pages = [n + left // g.page_bytes if g.window is None else n for g, n in zip(groups, pages, strict=True)]
+    return tuple(KVGroup(g.window, g.layers, g.page_bytes, n) for g, n in zip(groups, pages, strict=True))
 
 
 def layer_pages(shape: MemoryShape, groups: tuple[KVGroup, ...]) -> list[int]:

@@ -9,8 +9,10 @@ from diffusion_plugin.engine_args import DiffusionEngineArgs
 from diffusion_plugin.memory import (
     KV_FRACTION,
     PAGE_TOKENS,
+    PLAN_TOKENS,
     MemoryBudget,
     MemoryShape,
+    group_shares,
     kv_bytes,
     kv_page_bytes,
     layer_pages,
@@ -157,6 +159,26 @@ def test_the_plan_gives_sliding_layers_only_what_max_batch_windows_hold():
     # A small pool: no group gets more than an equal split would give it.
     small = plan_pool(HYBRID, 64 * full.page_bytes, max_batch=16)
     assert small[1].pages <= small[0].pages and sum(g.pages * g.page_bytes for g in small) <= 64 * full.page_bytes
+
+
+def test_the_split_serves_every_length_up_to_the_plan_within_its_share():
+    """Against a pool shared by every group (the best any split can do for one length)."""
+    pool = 64 * GIB_
+    plan = plan_pool(HYBRID, pool)
+    floor_ = 1 / sum(group_shares(HYBRID))
+    assert 0.6 < floor_ < 1
+    worst = 1.0
+    for tokens in range(1, 4 * PLAN_TOKENS, 97):
+        held = [g.seq_pages(tokens) for g in plan]
+        held_equal = pool // sum(g.page_bytes for g in plan) // held[0]  # every layer the same count
+        got = min(g.pages // p for g, p in zip(plan, held, strict=True))
+        shared = pool // sum(p * g.page_bytes for g, p in zip(plan, held, strict=True))
+        if tokens <= PLAN_TOKENS:
+            worst = min(worst, got / shared)
+            assert got >= floor_ * shared - 1, tokens
+        # Beyond two windows the equal count held fewer (its full layers ran out first).
+        assert got >= 1 and (tokens < 2 * PAGE_TOKENS * plan[1].window_pages or got > held_equal), tokens
+    print(f"worst share of a shared pool's concurrency up to {PLAN_TOKENS} tokens: {worst:.2f} (bound {floor_:.2f})")
 
 
 def test_long_sequences_are_admitted_only_as_far_as_the_full_layers_pages_allow():

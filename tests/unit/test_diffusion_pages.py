@@ -28,7 +28,7 @@ def _plan(adapter, full_pages: int, max_batch: int):
     """The tiny model's groups (full: layer 1; sliding, window 63: layer 0), the full layers holding
     ``full_pages`` pages and the sliding ones what ``max_batch`` windows hold."""
     groups = memory.layer_groups(adapter.memory_shape())
-    return tuple(dataclasses.replace(g, pages=full_pages if g.window is None else max_batch * g.seq_pages(1 << 30))
+    return tuple(dataclasses.replace(g, pages=full_pages if g.window is None else max_batch * g.window_pages)
                  for g in groups)
 
 
