@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from diffusion_plugin.images import ImageLimits
+from diffusion_plugin.memory import KV_FRACTION
 
 _IMAGES = ImageLimits()
 
@@ -38,9 +39,9 @@ class DiffusionEngineArgs(BaseModel):
     kv_cache_fraction: float | None = Field(None, gt=0, lt=1, description="Fast sampler on a cuda device (where "
                                             "the KV page pool is reserved at start): the share of the memory budget "
                                             "the pool takes; the rest covers the sequences' other bytes (state, "
-                                            "activations, prompt pass). Larger: more long sequences at once, fewer "
-                                            "long prompts in their prompt pass. Ignored on the host (pages are "
-                                            "committed as written) and by the exact sampler. None: 0.5.")
+                                            "activations, prompt pass). Larger: more KV pages (long sequences) at "
+                                            "once, less room for the rest. Ignored on the host (pages are committed "
+                                            f"as written) and by the exact sampler. None: {KV_FRACTION}.")
     max_images: int = Field(_IMAGES.max_images, ge=0, description="Images one request may carry.")
     max_image_bytes: int = Field(_IMAGES.max_image_bytes, ge=1, description="Largest encoded image, in bytes "
                                  "(beyond: 413).")
