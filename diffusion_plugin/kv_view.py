@@ -19,8 +19,8 @@ row joins or leaves; per batch only the block tables (a few ints per row) are re
 The pool is allocated once, at its full size, with ``torch.empty``: on the host the kernel
 commits its memory page by page as it is written (RSS grows with the KV in use, not with the
 pool's size); on a device it is reserved at start, as vLLM reserves its KV cache, with a page
-count per layer (``memory.plan_pool``: sliding layers get what ``max_batch`` sequences can
-hold in their windows, full layers the rest) that the scheduler admits against. The exact
+count per layer group (``memory.plan_pool``: full-attention layers, and sliding layers, which
+never get more than ``max_batch`` windows' pages) that the scheduler admits against. The exact
 mode needs none of this: each row keeps HF's own ``DynamicCache``, as ``generate()`` does.
 """
 
