@@ -32,7 +32,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from tandem_tools import procstat
-from tandem_tools.setups import MODEL, TARGETS, TRIAL, Setup, build_setups, missing_binaries
+from tandem_tools.setups import MODEL, TANDEM_RAY, TARGETS, Setup, build_setups, missing_binaries
 from tandem_tools.vllm_bench import LevelResult, LevelSpec, run_level
 from workers import tiny_models
 
@@ -56,8 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2,
                    help="ar mode: interleaved rounds, every setup once per round (default: 2)")
     p.add_argument("--targets", default=",".join(TARGETS),
-                   help=f"ar mode: which setups to run (default: {','.join(TARGETS)}; also {TRIAL}: tandem with "
-                        "the gateway-replica channel on a Unix socket, a measured trial)")
+                   help=f"ar mode: which setups to run (default: {','.join(TARGETS)}; also {TANDEM_RAY}: tandem "
+                        "with gateway.channel: ray, the channel to the replica over Ray instead of a socket)")
     p.add_argument("--port", type=int, default=8123,
                    help="port for the server under test (default: 8123; a gateway's vLLM takes the next one)")
     p.add_argument("--out", help="also write the results as JSON to this file")
@@ -187,9 +187,10 @@ def format_table(results: dict[str, Rounds], levels: list[int]) -> str:
 def main(args: argparse.Namespace) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    unknown = sorted(set(targets) - {*TARGETS, TRIAL})
+    unknown = sorted(set(targets) - {*TARGETS, TANDEM_RAY})
     if unknown:
-        print(f"tandem bench: unknown target(s) {', '.join(unknown)}; known: {', '.join(TARGETS)}", file=sys.stderr)
+        print(f"tandem bench: unknown target(s) {', '.join(unknown)}; known: {', '.join([*TARGETS, TANDEM_RAY])}",
+              file=sys.stderr)
         return 2
     missing = missing_binaries(targets)
     if missing:

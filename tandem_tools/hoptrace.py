@@ -30,7 +30,7 @@ HOPS = [
     ("g_body", "body intake (read + JSON)"),
     ("g_acquired", "checks + routing/acquire"),
     ("g_submit_call", "to the call into the replica"),
-    ("a_submit_in", "Ray actor call: gateway -> actor"),
+    ("a_submit_in", "submit: gateway -> actor (socket or Ray call)"),
     ("v_chat_in", "actor -> vLLM serving layer"),
     ("v_chat_ret", "vLLM serving: chat template, tokenize, request built"),
     ("v_add_in", "to AsyncLLM.add_request (its stream starts)"),
@@ -38,8 +38,8 @@ HOPS = [
     ("v_output", "engine core: prefill, first token, output processing"),
     ("v_chunk", "vLLM serving: first SSE chunk"),
     ("a_put", "into the channel outbox"),
-    ("a_yield", "outbox -> Ray stream item"),
-    ("g_feed", "Ray stream item: actor -> gateway (Demux)"),
+    ("a_yield", "outbox -> the channel (a frame or a Ray stream item)"),
+    ("g_feed", "the channel: actor -> gateway (Demux)"),
     ("g_first_item", "Demux queue -> request handler"),
     ("g_send_body", "StreamingResponse: first body message"),
     ("c_first", "SSE out (-> client's first event)"),
@@ -103,17 +103,7 @@ def _patch_streaming(m) -> None:
 
 
 def _patch_handles(m) -> None:
-    orig = m.RayReplicaHandle.call
-
-    async def call(self, method, *args):
-        if method != "submit":
-            return await orig(self, method, *args)
-        rec("g_submit_call")
-        try:
-            return await orig(self, method, *args)
-        finally:
-            rec("g_submit_ack")
-    m.RayReplicaHandle.call = call
+    m.ChannelReplicaHandle._submit = _around(m.ChannelReplicaHandle._submit, "g_submit_call", "g_submit_ack")
 
 
 def _patch_channel(m) -> None:
@@ -132,7 +122,12 @@ def _patch_channel(m) -> None:
 
 
 def _patch_actor(m) -> None:
-    m.EngineActor.submit = _around(m.EngineActor.submit, "a_submit_in", "a_submit_out")
+    orig = m.EngineActor.submit_on  # both channels' submits end here
+
+    def submit_on(*a, **k):
+        rec("a_submit_in")
+        return orig(*a, **k)
+    m.EngineActor.submit_on = submit_on
 
 
 def _patch_vllm_chat(m) -> None:
@@ -188,16 +183,11 @@ class PatchingFinder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Run from ``sitecustomize`` in every process: tracing when ``TANDEM_HOPTRACE_FILE`` is set,
-    the socket-channel trial (``tandem_tools.socket_trial``) when ``TANDEM_SOCKET_TRIAL`` is."""
+    """Run from ``sitecustomize`` in every process: tracing when ``TANDEM_HOPTRACE_FILE`` is set."""
     global _fd
     if os.environ.get(ENV):
         _fd = os.open(os.environ[ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         sys.meta_path.insert(0, PatchingFinder(PATCHES, "hoptrace"))
-    if os.environ.get("TANDEM_SOCKET_TRIAL"):
-        from tandem_tools import socket_trial
-
-        sys.meta_path.insert(0, PatchingFinder(socket_trial.PATCHES, "socket_trial"))
 
 
 # -- analysis (pure) ----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """What each benchmark target runs: `vllm serve` direct, a Rust gateway (vllm-router, smg) in
-front of one, tandem, and tandem with the socket-channel trial (``tandem_tools.socket_trial``).
-Used by ``tandem bench`` and ``tandem_tools.hoptrace``."""
+front of one, tandem (its default channel to the replica: a TCP socket), and tandem with the
+channel over Ray (``gateway.channel: ray``, what tandem did before the socket). Used by
+``tandem bench`` and ``tandem_tools.hoptrace``."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from tandem_tools.servers import Server
 
 ENGINE_ARGS = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 64, "dtype": "float32"}
 TARGETS = ("direct", "vllm-router", "smg", "tandem")
-TRIAL = "tandem-socket-trial"  # opt-in: tandem with tandem_tools.socket_trial applied (issue 15, item 2)
+TANDEM_RAY = "tandem-ray"  # opt-in: tandem with gateway.channel: ray (the socket channel's before)
 MODEL = "tiny-llama"
 ACTOR_PREFIX = "ray::EngineActor"
 # Run in every Python process started with ``site_dir`` first on PYTHONPATH (Ray's workers
-# inherit the environment): per-hop tracing and/or the socket trial, as the environment asks.
-SITE = ('import os\nif os.environ.get("TANDEM_HOPTRACE_FILE") or os.environ.get("TANDEM_SOCKET_TRIAL"):\n'
+# inherit the environment): per-hop tracing, when the environment asks.
+SITE = ('import os\nif os.environ.get("TANDEM_HOPTRACE_FILE"):\n'
         '    try:\n        import tandem_tools.hoptrace as h\n        h.install()\n    except Exception as e:\n'
         '        print("hoptrace:", e)\n')
 
@@ -73,9 +74,9 @@ def router_argv(kind: str, port: int, worker_port: int, metrics_port: int) -> li
     raise ValueError(f"unknown router {kind!r}")
 
 
-def tandem_config(port: int, model_path: str) -> dict:
+def tandem_config(port: int, model_path: str, channel: str = "socket") -> dict:
     return {
-        "gateway": {"host": "127.0.0.1", "port": port},
+        "gateway": {"host": "127.0.0.1", "port": port, "channel": channel},
         "ray": {"num_cpus": 2},
         "models": [{"name": MODEL, "kind": "autoregressive", "source": model_path,
                     "resources": {"num_gpus": 0, "num_cpus": 1}, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
@@ -94,19 +95,17 @@ def build_setups(args, model_path: str, workdir: Path) -> dict[str, Setup]:
                                      "--disable-uvicorn-access-log", *_vllm_flags(ENGINE_ARGS)],
                       port, "/v1/models", workdir / log, env)
 
-    cfg_path = workdir / "tandem.yaml"
-    cfg_path.write_text(yaml.safe_dump(tandem_config(args.port, model_path)))
-    tandem = Server("tandem", [sys.executable, "-m", "tandem_tools.cli", "--log-level", "warning", "serve",
-                               "--config", str(cfg_path)], args.port, "/ready", workdir / "tandem.log", env)
-    trial_env = {**env, "TANDEM_SOCKET_TRIAL": "1", "PYTHONPATH": os.pathsep.join(
-        [str(site_dir(workdir)), str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])}
-    trial = Server(TRIAL, tandem.argv, args.port, "/ready", workdir / "tandem-socket-trial.log", trial_env)
+    def tandem(name: str, channel: str) -> Server:
+        cfg_path = workdir / f"{name}.yaml"
+        cfg_path.write_text(yaml.safe_dump(tandem_config(args.port, model_path, channel)))
+        return Server(name, [sys.executable, "-m", "tandem_tools.cli", "--log-level", "warning", "serve",
+                             "--config", str(cfg_path)], args.port, "/ready", workdir / f"{name}.log", env)
+
     direct = vllm(args.port, "direct.log")
-    setups = {
-        "direct": Setup("direct", [direct], None, lambda: direct.proc.pid),
-        "tandem": Setup("tandem", [tandem], tandem, lambda: procstat.find(tandem.proc.pid, ACTOR_PREFIX)),
-        TRIAL: Setup(TRIAL, [trial], trial, lambda: procstat.find(trial.proc.pid, ACTOR_PREFIX)),
-    }
+    setups = {"direct": Setup("direct", [direct], None, lambda: direct.proc.pid)}
+    for name, channel in (("tandem", "socket"), (TANDEM_RAY, "ray")):
+        gateway = tandem(name, channel)
+        setups[name] = Setup(name, [gateway], gateway, lambda g=gateway: procstat.find(g.proc.pid, ACTOR_PREFIX))
     for kind in ("vllm-router", "smg"):
         engine = vllm(args.port + 1, f"{kind}-vllm.log")
         router = Server(kind, router_argv(kind, args.port, args.port + 1, args.port + 2), args.port,

@@ -107,6 +107,7 @@ class ChannelServer:
         self._starting = asyncio.Lock()
         self._offers: dict[str, tuple[bytes, float | None]] = {}  # channel id -> (token, lease)
         self._aborts: set[asyncio.Task] = set()
+        self._writers: set[asyncio.StreamWriter] = set()  # the open connections
         self.frames_sent = 0  # batches written, all connections (tests watch back-pressure with it)
         self.refused = 0  # connections closed before authenticating
 
@@ -122,12 +123,16 @@ class ChannelServer:
         self._offers[channel_id] = (token, lease_s)
         return self.address, self.port, token
 
-    def close(self) -> None:
-        """Stop listening. Open channels end when their outboxes close (``EngineActor.shutdown``)."""
+    def close(self, drop: bool = False) -> None:
+        """Stop listening. Open channels end when their outboxes close (``EngineActor.shutdown``);
+        ``drop``: cut every connection now, sending nothing more (as a killed process does)."""
         if self._server is not None:
             self._server.close()
             self._server = None
         self._offers.clear()
+        if drop:
+            for writer in list(self._writers):
+                writer.transport.abort()
 
     async def _authenticate(self, reader: asyncio.StreamReader) -> tuple[str, float | None]:
         (n,) = HEADER.unpack(await reader.readexactly(HEADER.size))
@@ -141,6 +146,18 @@ class ChannelServer:
         raise _Refused("an unknown token")
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Python 3.11's start_server logs a cancelled handler as an error in a callback: this
+        # task's cancellation (the loop closing) ends it quietly instead.
+        self._writers.add(writer)
+        try:
+            await self._serve_channel(reader, writer)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _serve_channel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         _no_delay(writer)
         peer = writer.get_extra_info("peername")
         try:
@@ -148,7 +165,6 @@ class ChannelServer:
         except (_Refused, TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             self.refused += 1
             logger.warning("channel socket: connection from %s refused: %s", peer, e or type(e).__name__)
-            writer.close()
             return
         outbox = await self.host.attach(channel_id, lease_s)
         pump = asyncio.create_task(self._pump(outbox, writer), name=f"pump-{channel_id}")
@@ -160,7 +176,6 @@ class ChannelServer:
                 task.cancel()
             await asyncio.gather(pump, intake, return_exceptions=True)
             self.host.detach(channel_id, outbox)  # its requests are aborted: nobody reads them now
-            writer.close()
             logger.info("channel %s: connection from %s closed", channel_id, peer)
 
     async def _pump(self, outbox: Outbox, writer: asyncio.StreamWriter) -> None:
