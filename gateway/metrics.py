@@ -207,6 +207,14 @@ class Metrics:
         self._engines.rows = rows
 
 
+    def queued_everywhere(self, model: str) -> float:
+        """Requests of ``model`` queued in every gateway process on this host (the shared
+        multiprocess files; a single process: its own gauge)."""
+        if self.exposition is self.registry:
+            return self.queued.labels(model)._value.get()
+        return sum(s.value for family in self.exposition.collect() if family.name == "tandem_requests_queued"
+                   for s in family.samples if s.labels.get("model") == model)
+
     def set_scaling(self, model: str, counts: dict[str, int]) -> None:
         """counts: ``views.replica_counts`` of one model."""
         self.replicas_desired.labels(model).set(counts["desired"])

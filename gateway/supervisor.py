@@ -15,8 +15,17 @@ created through the deployment with fresh ids (``<model>/<n>``, n never reused) 
 like the first ones (pending, with the reason, while no node can hold one; served once healthy).
 Down: the least loaded replica (one not serving yet first) is drained: the router sends it
 nothing new, its requests finish (up to ``gateway.drain_timeout_s``), then its engine is shut
-down, its actor released and it leaves the pool. Only a single gateway process autoscales (the
-config refuses autoscaling with several; an attached supervisor refuses it too).
+down, its actor released and it leaves the pool.
+
+Autoscaling with several gateway processes: only the owner decides, on the requests in flight on
+the replicas (every process's, as the replicas count them) plus those queued in every gateway
+process on this host (the shared metrics; `--attach` processes on other nodes: once their
+requests reach a replica). It publishes each model's replica table ({id: serving | draining},
+``Deployment.publish_replicas``) whenever it changes; attached processes poll it every
+``autoscaling.interval_s`` and follow: a new replica is attached and served once the owner has
+started it, a draining one gets no new request from them either, a removed one leaves. So that
+every process has stopped sending to a draining replica, the owner waits two intervals before
+it trusts the replica's own count of requests in flight (all processes') to reach 0.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ PLACEMENT_CHECK_S = 5.0  # a replica not started by then: ask whether it can be 
 STATS_EVERY_S = 2.0
 RESTART_BACKOFF_S = (1.0, 30.0)
 DRAIN_POLL_S = 0.05
+SERVING, DRAINING = "serving", "draining"  # a replica in the owner's published table
 # A replica to remove, by preference: one that serves nothing yet (or no more), then the least loaded.
 _REMOVE_FIRST = (ReplicaState.FAILED, ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.RESTARTING,
                  ReplicaState.UNHEALTHY, ReplicaState.HEALTHY)
@@ -64,6 +74,15 @@ class Deployment(Protocol):
         """Why a replica of ``model`` (``replica_id``: that one, created and not started yet)
         cannot be placed now, or None; blocking (asks the cluster)."""
 
+    shares_replicas: bool  # other gateway processes may serve these replicas
+
+    def publish_replicas(self, model: str, table: dict[str, str]) -> None:
+        """Owner: write {replica id: "serving" | "draining"} of an autoscaled model where the
+        attached gateway processes read it (``replica_table``); blocking."""
+
+    def replica_table(self, model: str) -> dict[str, str] | None:
+        """The table the owner last published for ``model``, None if none; blocking."""
+
     def close(self) -> None:
         """Release everything the deployment holds (actors, the Ray connection)."""
 
@@ -81,10 +100,6 @@ class Supervisor:
         self._bringing_up: dict[str, asyncio.Task] = {}  # replica id -> its start or restart task
         self.scalers: dict[str, Autoscaler] = {}
         self._next_index: dict[str, int] = {}
-        scaled = [m.name for m in config.models if m.autoscaling is not None]
-        if scaled and attached:
-            raise ValueError(f"autoscaling (models: {', '.join(scaled)}) needs a single gateway process: an attached "
-                             "one does not follow the replicas its owner adds and removes")
 
     def start(self) -> None:
         """Create every replica and start them in the background (the router serves each one
@@ -92,12 +107,17 @@ class Supervisor:
         for model in self.config.models:
             pool = self.router.pools[model.name]
             pool.replicas = []
+            if self.attached and model.autoscaling is not None:  # the owner's replicas, as it says now
+                self.follow(model, self._table(model) or {f"{model.name}/{i}": SERVING for i in range(model.replicas)})
+                self._spawn(self._follow_loop(model))
+                continue
             created = self.deployment.create_replicas(model)
             for rid, handle in created:
                 self._add(model, rid, handle)
             self._next_index[model.name] = len(created)
             if model.autoscaling is not None:
                 self.scalers[model.name] = Autoscaler(model.autoscaling, len(created))
+                self._publish(model.name)
                 self._spawn(self._autoscale_loop(model))
         self._spawn(self._health_loop())
         self._spawn(self._stats_loop())
@@ -305,9 +325,77 @@ class Supervisor:
         scaler, pool = self.scalers[model.name], self.router.pools[model.name]
         while not self._stopping:
             await asyncio.sleep(model.autoscaling.interval_s)
-            decision = scaler.observe(time.monotonic(), model_load(pool))
+            load = model_load(pool)
+            if self.deployment.shares_replicas:  # the other gateway processes' queues (this host)
+                load += max(0.0, self.metrics.queued_everywhere(model.name) - pool.queued)
+            decision = scaler.observe(time.monotonic(), load)
             if decision is not None and not self._stopping:
                 self.scale(model, decision)
+
+    def _publish(self, model: str) -> None:
+        """Owner: tell the attached gateway processes which replicas a model has now."""
+        if self.attached or not self.deployment.shares_replicas:
+            return
+        table = {r.id: DRAINING if r.state is ReplicaState.DRAINING else SERVING
+                 for r in self.router.pools[model].replicas}
+        try:
+            self.deployment.publish_replicas(model, table)
+        except Exception as e:  # noqa: BLE001 - the next change publishes again
+            logger.warning("model %s: could not publish its replicas: %s", model, e)
+
+    def _table(self, model: ModelConfig) -> dict[str, str] | None:
+        try:
+            return self.deployment.replica_table(model.name)
+        except Exception as e:  # noqa: BLE001 - the next poll tries again
+            logger.debug("model %s: replica table: %s", model.name, e)
+            return None
+
+    async def _follow_loop(self, model: ModelConfig) -> None:
+        """Attached: follow the owner's replica table of an autoscaled model."""
+        while not self._stopping:
+            await asyncio.sleep(model.autoscaling.interval_s)
+            table = await asyncio.to_thread(self._table, model)
+            if table is not None and not self._stopping:
+                self.follow(model, table)
+
+    def follow(self, model: ModelConfig, table: dict[str, str]) -> None:
+        """Attached: make the pool match the owner's ``table``: attach its new serving replicas
+        (served once the owner has started them), stop sending to its draining ones, drop the
+        ones it no longer lists."""
+        pool = self.router.pools[model.name]
+        known = {r.id: r for r in pool.replicas}
+        for rid in sorted(table, key=_index_of):
+            replica = known.get(rid)
+            if replica is None and table[rid] == SERVING:
+                _, handle = self.deployment.create_replica(model, _index_of(rid))
+                self._add(model, rid, handle)
+                logger.info("replica %s: added by the owner", rid)
+            elif replica is not None and table[rid] == DRAINING and replica.state is not ReplicaState.DRAINING:
+                self._stop_bringing_up(replica)
+                replica.state, replica.last_error = ReplicaState.DRAINING, None
+                logger.info("replica %s: draining (the owner removes it)", rid)
+        for rid, replica in known.items():
+            if rid not in table:
+                self._spawn(self._let_go(replica))
+
+    async def _let_go(self, replica: Replica) -> None:
+        """Attached: the owner removed ``replica``; what this process still had there fails."""
+        self._stop_bringing_up(replica)
+        replica.state = ReplicaState.DRAINING
+        if replica.outstanding:
+            replica.handle.fail_in_flight(TandemError(
+                ErrorKind.SHUTTING_DOWN, "the replica serving this request was removed (scaled down)"))
+        try:
+            await asyncio.wait_for(replica.handle.shutdown(), timeout=30)  # attached: this process's side only
+        except Exception as e:  # noqa: BLE001 - gone anyway
+            logger.debug("replica %s: %s", replica.id, e)
+        self.router.pools[replica.model].remove(replica)
+        logger.info("replica %s: removed by the owner", replica.id)
+
+    def _stop_bringing_up(self, replica: Replica) -> None:
+        up = self._bringing_up.pop(replica.id, None)
+        if up is not None:
+            up.cancel()
 
     def scale(self, model: ModelConfig, decision: Decision) -> None:
         """Add or drain replicas until ``decision.desired`` of them are serving or on their way."""
@@ -325,6 +413,7 @@ class Supervisor:
         for _ in range(len(counted) - decision.desired):
             victim = min((r for r in pool.replicas if r.state is not ReplicaState.DRAINING), key=_removal_order)
             self._spawn(self.drain_and_remove(victim))
+        self._publish(model.name)
         self.metrics.set_scaling(model.name, views.replica_counts(pool))
 
     async def drain_and_remove(self, replica: Replica) -> None:
@@ -333,16 +422,23 @@ class Supervisor:
         it from the pool. One that was still coming up is stopped where it is."""
         pool = self.router.pools[replica.model]
         engine_up = replica.state in (ReplicaState.HEALTHY, ReplicaState.UNHEALTHY)
-        up = self._bringing_up.pop(replica.id, None)
-        if up is not None:
-            up.cancel()
+        self._stop_bringing_up(replica)
         replica.state, replica.last_error = ReplicaState.DRAINING, None
+        self._publish(replica.model)
         logger.info("replica %s: draining (%d request(s) in flight here, %d from other gateway processes)",
                     replica.id, replica.outstanding, replica.others_outstanding)
         if engine_up:
-            deadline = time.monotonic() + self.config.gateway.drain_timeout_s
-            while (replica.outstanding or replica.others_outstanding) and time.monotonic() < deadline:
-                await asyncio.sleep(DRAIN_POLL_S)  # a poll: releases come from many requests
+            now = time.monotonic()
+            deadline = now + self.config.gateway.drain_timeout_s
+            model = self.config.model(replica.model)
+            shared = self.deployment.shares_replicas
+            # Other gateway processes see `draining` at their next look at the table.
+            noticed = now + (2 * model.autoscaling.interval_s if shared and model.autoscaling else 0.0)
+            while time.monotonic() < deadline:
+                if replica.outstanding == 0 and time.monotonic() >= noticed:
+                    if not shared or await self._in_flight_everywhere(replica) == 0:
+                        break
+                await asyncio.sleep(DRAIN_POLL_S)  # a poll: releases come from many requests and processes
             if replica.outstanding:
                 logger.warning("replica %s: drain timeout, %d request(s) still in flight fail", replica.id,
                                replica.outstanding)
@@ -358,8 +454,19 @@ class Supervisor:
         except Exception as e:  # noqa: BLE001 - gone from the pool anyway; close() releases the rest
             logger.warning("replica %s: release: %s", replica.id, e)
         pool.remove(replica)
+        self._publish(replica.model)
         self.metrics.set_scaling(replica.model, views.replica_counts(pool))
         logger.info("replica %s: removed", replica.id)
+
+    async def _in_flight_everywhere(self, replica: Replica) -> int:
+        """The requests ``replica`` runs for every gateway process, as it counts them now (0 if it
+        does not answer: nothing of it is left to wait for)."""
+        try:
+            return (await asyncio.wait_for(replica.handle.health(), timeout=self.config.gateway.health_interval_s
+                                           + 5)).in_flight
+        except Exception as e:  # noqa: BLE001 - dead or stuck: its requests are lost either way
+            logger.warning("replica %s: in-flight count while draining: %s", replica.id, e)
+            return 0
 
     async def stop(self) -> None:
         """Stop the loops, shut every live replica's engine down, release the deployment.
@@ -386,6 +493,11 @@ def model_load(pool) -> float:
     """The autoscaler's signal for one model: requests in flight on its replicas, from this
     gateway process and the others, plus those queued here."""
     return float(sum(r.outstanding + r.others_outstanding for r in pool.replicas) + pool.queued)
+
+
+def _index_of(replica_id: str) -> int:
+    """n of replica ``<model>/<n>``."""
+    return int(replica_id.rsplit("/", 1)[-1])
 
 
 def _removal_order(r: Replica) -> tuple[int, int, int]:

@@ -298,15 +298,6 @@ class TandemConfig(_Strict):
     models: list[ModelConfig] = Field(min_length=1, description="The models to serve.")
     models_dir: Path = Field(REPO_ROOT / "models", description="Where built-in tiny models are built.")
 
-    @model_validator(mode="after")
-    def _autoscaling_with_one_gateway_process(self) -> TandemConfig:
-        scaled = [m.name for m in self.models if m.autoscaling is not None]
-        if scaled and self.gateway.processes > 1:
-            raise ValueError(f"autoscaling (models: {', '.join(scaled)}) works with one gateway process for now: "
-                             "set gateway.processes to 1 or remove autoscaling (attached gateway processes do not "
-                             "follow the replicas the owner adds and removes yet)")
-        return self
-
     @field_validator("models")
     @classmethod
     def _unique_names(cls, models: list[ModelConfig]) -> list[ModelConfig]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from pathlib import Path
@@ -35,6 +36,10 @@ def _most_replicas(model: ModelConfig) -> int:
     return model.autoscaling.max_replicas if model.autoscaling is not None else model.replicas
 
 
+def _table_key(model: str) -> str:
+    return f"tandem-replicas:{model}"
+
+
 def actor_name(replica_id: str) -> str:
     """The Ray name (namespace ``tandem``) of a shared replica's actor."""
     return f"tandem-replica:{replica_id}"
@@ -55,11 +60,7 @@ class RayDeployment:
         self.engine_key = engine_key  # tests: force an engine (e.g. "fake")
         self.role = role
         self._actors: dict[str, object] = {}  # replica id -> its actor handle
-        scaled = [m.name for m in config.models if m.autoscaling is not None]
-        if scaled and (role == "attached" or config.gateway.processes > 1):
-            raise ValueError(f"autoscaling (models: {', '.join(scaled)}) works with one gateway process only, not "
-                             "with gateway.processes > 1 nor `tandem serve --attach`: attached processes do not "
-                             "follow the replicas the owner adds and removes yet")
+        self._published: set[str] = set()  # models whose replica table this owner wrote
         if not ray.is_initialized():
             if config.ray.address:
                 logger.info("joining the Ray cluster at %s", config.ray.address)
@@ -98,10 +99,42 @@ class RayDeployment:
         return [self._create(model, i) for i in range(model.replicas)]
 
     def create_replica(self, model: ModelConfig, index: int) -> tuple[str, RayReplicaHandle]:
-        """One more actor of ``model`` (autoscaling): replica ``<model>/<index>``."""
+        """One more actor of ``model`` (autoscaling): replica ``<model>/<index>``. Attached: the
+        owner's actor of that id, found by name (once the owner's replica table lists it)."""
         if self.role == "attached":
-            raise RuntimeError("an attached gateway process creates no replica (this is a bug)")
+            gw = self.config.gateway
+            rid = f"{model.name}/{index}"
+            lease = max(CHANNEL_LEASE_MIN_S, 10 * gw.health_interval_s)
+            return rid, AttachedReplicaHandle(actor_name(rid), lease, channel=gw.channel)
         return self._create(model, index)
+
+    # -- the replica table: how attached gateway processes follow an autoscaled model ----------
+    # The owner writes {replica id: "serving" | "draining"} of each autoscaled model to Ray's
+    # key-value store (the GCS: every node of the cluster reads it) whenever the set changes;
+    # attached processes poll it. No public Ray API offers a cluster-wide value without Ray's
+    # dashboard or an actor of its own; ``ray.experimental.internal_kv`` is what Ray's own
+    # libraries use for this.
+
+    @property
+    def shares_replicas(self) -> bool:
+        """Whether other gateway processes may serve these replicas (and follow the table)."""
+        return self.role != "solo"
+
+    def publish_replicas(self, model: str, table: dict[str, str]) -> None:
+        """Owner: the replicas of ``model`` as they are now (blocking, a GCS write)."""
+        if self.role != "owner":
+            return
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put(_table_key(model), json.dumps(table), overwrite=True, namespace="tandem")
+        self._published.add(model)
+
+    def replica_table(self, model: str) -> dict[str, str] | None:
+        """The owner's latest table of ``model``; None before it wrote one (blocking)."""
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        raw = _internal_kv_get(_table_key(model), namespace="tandem")
+        return json.loads(raw) if raw else None
 
     def _create(self, model: ModelConfig, index: int) -> tuple[str, RayReplicaHandle]:
         import ray
@@ -173,6 +206,15 @@ class RayDeployment:
 
         if self.role == "attached":  # the owner's actors: never killed here
             return
+        if self._published:
+            from ray.experimental.internal_kv import _internal_kv_del
+
+            for model in self._published:
+                try:
+                    _internal_kv_del(_table_key(model), namespace="tandem")
+                except Exception:  # noqa: BLE001 - Ray already gone
+                    pass
+            self._published.clear()
         for actor in self._actors.values():
             try:
                 ray.kill(actor)

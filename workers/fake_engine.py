@@ -227,6 +227,7 @@ class FakeDeployment:
         self.engine_args = engine_args
         self.engines: dict[str, FakeEngine] = {}
         self.removed: list[str] = []  # replicas released by ``remove_replica`` (autoscaling down)
+        self.tables: dict[str, dict[str, str]] = {}  # what ``publish_replicas`` wrote, by model
 
     def create_replicas(self, model) -> list[tuple[str, LocalReplicaHandle]]:
         return [self.create_replica(model, i) for i in range(model.replicas)]
@@ -245,6 +246,14 @@ class FakeDeployment:
 
     def placement_problem(self, model, replica_id: str | None = None) -> str | None:
         return None  # in-process: always placed
+
+    shares_replicas = False  # one gateway, in-process
+
+    def publish_replicas(self, model: str, table: dict[str, str]) -> None:
+        self.tables[model] = dict(table)
+
+    def replica_table(self, model: str) -> dict[str, str] | None:
+        return self.tables.get(model)
 
     def close(self) -> None:
         self.engines.clear()

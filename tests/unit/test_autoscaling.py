@@ -107,7 +107,6 @@ def test_config_starts_at_min_replicas_and_takes_replicas_as_the_initial_count()
      "models.0.autoscaling.target_in_flight_per_replica"),
     ({"replicas": 4, "autoscaling": {"max_replicas": 2}}, {}, "replicas (4) is the initial count"),
     ({"autoscaling": {"max_replicas": 2, "surprise": 1}}, {}, "models.0.autoscaling.surprise"),
-    ({"autoscaling": {"max_replicas": 2}}, {"gateway": {"processes": 2}}, "set gateway.processes to 1"),
 ])
 def test_config_refusals_name_the_field(model, top, says):
     with pytest.raises(ConfigError) as e:
@@ -176,13 +175,17 @@ def test_load_scales_up_to_max_and_idleness_back_to_min_with_no_request_lost(tmp
 
 
 def _drain_setup(drain_timeout_s: float):
-    # interval_s: the loop never decides during the test; the test drains a replica itself.
-    return _autoscaled({"min_replicas": 1, "max_replicas": 2, "interval_s": 3600}, replicas=2,
+    # windows: the autoscaler never decides during the test; the test drains a replica itself.
+    return _autoscaled({"min_replicas": 1, "max_replicas": 2, "scale_up_window_s": 3600,
+                        "scale_down_window_s": 3600}, replicas=2,
                        gateway={"drain_timeout_s": drain_timeout_s})
 
 
 def test_a_draining_replica_takes_no_new_request_and_its_requests_finish_before_it_goes():
+    """Also as the owner of replicas other gateway processes share: the drain is published, and it
+    ends when the replica itself counts no request in flight (every process's)."""
     with _drain_setup(drain_timeout_s=600) as (url, service, deployment):
+        deployment.shares_replicas = True
         pool = service.router.pools["fake"]
         victim, survivor = pool.replicas
         engine = deployment.engines[victim.id]
@@ -192,6 +195,7 @@ def test_a_draining_replica_takes_no_new_request_and_its_requests_finish_before_
             assert held.held >= 1, "p2c over two replicas puts streams on both"
             drained = asyncio.run_coroutine_threadsafe(service.supervisor.drain_and_remove(victim), service.loop)
             wait_for(lambda: victim.state is ReplicaState.DRAINING, "the victim to be draining")
+            assert deployment.tables["fake"] == {victim.id: "draining", survivor.id: "serving"}
             served = {}
             assert stream_outcome(url, TOKENS, served=served) == "ok"
             assert served["replica"] == survivor.id  # no new request reaches a draining replica
@@ -202,6 +206,39 @@ def test_a_draining_replica_takes_no_new_request_and_its_requests_finish_before_
             drained.result(timeout=60)
         assert pool.replicas == [survivor] and deployment.removed == [victim.id]
         assert engine.aborted == []
+        assert deployment.tables["fake"] == {survivor.id: "serving"}
+
+
+def test_an_attached_gateway_process_follows_the_owners_replica_table():
+    """What another gateway process does with the table the owner publishes: it serves the
+    listed replicas, sends nothing to a draining one, and drops one no longer listed."""
+    from gateway.service import Service
+    from tests.waiting import async_wait_for
+    from workers.fake_engine import FakeDeployment
+
+    async def main():
+        config = parse_config({"gateway": {"health_interval_s": 0.2}, "models": [
+            {**MODEL, "name": "fake", "autoscaling": {"max_replicas": 4, "interval_s": 0.02}}]})
+        deployment = FakeDeployment({"num_tokens": 2})
+        deployment.tables["fake"] = {"fake/0": "serving", "fake/3": "serving"}
+        service = Service(config, deployment, attached=True)
+        await service.start()
+        pool = service.router.pools["fake"]
+
+        def healthy():
+            return sorted(r.id for r in pool.healthy())
+        try:
+            await async_wait_for(lambda: healthy() == ["fake/0", "fake/3"], "the listed replicas to serve")
+            deployment.tables["fake"] = {"fake/0": "draining", "fake/3": "serving", "fake/4": "serving"}
+            await async_wait_for(lambda: healthy() == ["fake/3", "fake/4"], "fake/4 to serve and fake/0 to drain")
+            assert [r.state for r in pool.replicas if r.id == "fake/0"] == [ReplicaState.DRAINING]
+            deployment.tables["fake"] = {"fake/3": "serving", "fake/4": "serving"}
+            await async_wait_for(lambda: sorted(r.id for r in pool.replicas) == ["fake/3", "fake/4"],
+                                 "fake/0 to leave the pool")
+        finally:
+            await service.stop()
+
+    asyncio.run(main())
 
 
 def test_drain_timeout_ends_what_is_left_with_an_error():
