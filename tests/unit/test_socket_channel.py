@@ -320,3 +320,13 @@ def test_the_bench_runs_tandem_on_both_channels(tmp_path):
         argv = setups[name].servers[0].argv
         channels[name] = yaml.safe_load(open(argv[argv.index("--config") + 1]))["gateway"]["channel"]
     assert channels == {"tandem": "socket", TANDEM_RAY: "ray"}
+
+
+def test_an_item_that_cannot_be_pickled_fails_its_request_only():
+    from workers.transport.socket_channel import encode_batch
+
+    batch = [("a", "data: 1\n\n"), ("b", lambda: None), ("a", END)]
+    (n,) = HEADER.unpack(encode_batch(batch)[:HEADER.size])
+    decoded = pickle.loads(encode_batch(batch)[HEADER.size:])
+    assert n > 0 and decoded[0] == ("a", "data: 1\n\n") and decoded[2] == ("a", END)
+    assert decoded[1][0] == "b" and decoded[1][1].kind is ErrorKind.ENGINE_ERROR

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 HEADER = struct.Struct("!I")
 TOKEN_BYTES = 32
 AUTH_TIMEOUT_S = 10.0  # a connection that has not sent its token by then is closed
+CONNECT_TIMEOUT_S = 10.0  # a replica's node that does not answer by then: the channel failed
 
 
 def encode(obj: Any) -> bytes:
@@ -226,7 +227,7 @@ class ChannelClient:
 
     @classmethod
     async def connect(cls, host: str, port: int, token: bytes) -> ChannelClient:
-        reader, writer = await asyncio.open_connection(host, port)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
         _no_delay(writer)
         writer.write(HEADER.pack(len(token)) + token)
         return cls(reader, writer)
