@@ -11,6 +11,7 @@ exactly as long as the test says. Windows are short (config), waits are on condi
 import asyncio
 import concurrent.futures as cf
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -176,3 +177,122 @@ def test_a_replica_no_node_can_hold_is_pending_until_a_node_is_added(cluster, tm
             print(f"pending replica serving {took:.1f} s after the node was added")
             control.write_text("{}")
             assert [f.result(timeout=300) for f in futures] == ["ok"] * 3
+
+
+def _pinned_clients(url: str, processes: int = 2, each: int = 3) -> list[list[httpx.Client]]:
+    """``each`` keep-alive connections (one request at a time each) to every gateway process (the
+    kernel picks the process of a new connection; the ``x-tandem-gateway`` header names it)."""
+    found: dict[int, list[httpx.Client]] = {}
+    for _ in range(400):
+        c = httpx.Client(base_url=url, limits=httpx.Limits(max_connections=1), timeout=120)
+        mine = found.setdefault(int(c.get("/health").headers["x-tandem-gateway"]), [])
+        if len(mine) < each:
+            mine.append(c)
+        else:
+            c.close()
+        if len(found) == processes and all(len(cs) == each for cs in found.values()):
+            return list(found.values())
+    raise AssertionError(f"connections per gateway process after 400 tries: {[len(cs) for cs in found.values()]}")
+
+
+def _view(client: httpx.Client) -> list[tuple[str, str]]:
+    """(replica id, state) as one gateway process sees them."""
+    return sorted((r["id"], r["state"]) for r in client.get("/admin/replicas").json()["replicas"])
+
+
+def _stream_via(client: httpx.Client) -> str:
+    body = {"model": "fake", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    ok = r.status_code == 200 and events[-1:] == ["[DONE]"] and sum("tok" in e for e in events) == TOKENS
+    return "ok" if ok else f"bad: {r.status_code} {events[-3:]}"
+
+
+def test_two_gateway_processes_follow_the_owner_up_and_down(tmp_path):
+    """`gateway.processes: 2`: held streams through both processes scale the model 1 -> 3 (the
+    owner counts every process's requests on the replicas); each process serves the new replicas;
+    then, with a request at a time going through either process the whole while, the model comes
+    back to 1 replica and every one of those requests completes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    import yaml
+
+    from tests.unit.gateway_server import free_port
+
+    port = free_port()
+    control = tmp_path / "control.json"
+    control.write_text(STALL_ALL)
+    config = {
+        "gateway": {"host": "127.0.0.1", "port": port, "processes": 2, "health_interval_s": 0.5,
+                    "drain_timeout_s": 60, "stall_timeout_s": 600},
+        "ray": {"num_cpus": 2},
+        "models": [{"name": "fake", "kind": "autoregressive", "source": "none",
+                    "resources": {"num_cpus": 0.5, "num_gpus": 0},
+                    "engine_args": {"num_tokens": TOKENS, "token_delay_s": 0.02, "control_file": str(control)},
+                    "autoscaling": {"min_replicas": 1, "max_replicas": 3, "target_in_flight_per_replica": 1,
+                                    "scale_up_window_s": 0.3, "scale_down_window_s": 0.5, "interval_s": 0.1}}],
+    }
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    log = tmp_path / "gateway.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.integration.processes_serve", str(cfg)],
+                                cwd=Path(__file__).resolve().parents[2], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert proc.poll() is None, f"the gateway exited early:\n{log.read_text()[-4000:]}"
+        try:
+            return httpx.get(url + "/ready", timeout=30).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(ready, "the gateway processes to be ready", timeout=180)
+        pinned = _pinned_clients(url)  # per process: one to look, two to stream
+        clients = [cs[0] for cs in pinned]
+        one = [("fake/0", "healthy")]
+        for c in clients:
+            wait_for(lambda c=c: _view(c) == one, "each process to serve the one replica")
+        three = [(f"fake/{i}", "healthy") for i in range(3)]
+        with cf.ThreadPoolExecutor(4) as ex:
+            held = [ex.submit(_stream_via, c) for cs in pinned for c in cs[1:]]
+            for c in clients:
+                wait_for(lambda c=c: _view(c) == three, "each process to serve 3 replicas", timeout=180)
+            control.write_text("{}")
+            assert [f.result(timeout=300) for f in held] == ["ok"] * 4
+        results: list[str] = []
+        done = threading.Event()
+
+        def one_at_a_time() -> None:
+            i = 0
+            while not done.is_set():
+                results.append(_stream_via(pinned[i % 2][1]))
+                i += 1
+
+        traffic = threading.Thread(target=one_at_a_time)
+        traffic.start()
+        try:
+            for c in clients:
+                wait_for(lambda c=c: len(_view(c)) == 1, "each process to be back to 1 replica", timeout=180)
+        finally:
+            done.set()
+            traffic.join(300)
+        print(f"{len(results)} requests while scaling down 3 -> 1")
+        assert results and set(results) == {"ok"}, results
+    finally:
+        for cs in locals().get("pinned", []):
+            for c in cs:
+                c.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
