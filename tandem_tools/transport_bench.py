@@ -1,6 +1,7 @@
 """What one hop between the gateway and a replica costs, by transport: a Ray actor call and a
-Ray streaming-generator item (today's ``submit`` and channel) against a Unix socket between
-the same two kinds of process (asyncio streams, length-prefixed pickles).
+Ray streaming-generator item (``submit`` and the channel with ``gateway.channel: ray``) against
+a Unix socket between the same two kinds of process (asyncio streams, length-prefixed pickles,
+as ``workers/transport/socket_channel.py`` sends over TCP with ``channel: socket``).
 
 ``python -m tandem_tools.transport_bench [--items 300] [--gap-ms 3]``: per transport, the
 median and p90 of a call's round trip and of a streamed item's one-way latency (the far side
