@@ -271,8 +271,9 @@ def build_app(service: Service) -> FastAPI:
 
     @app.get("/admin/replicas")
     async def replicas() -> dict:
-        """Each replica's state and its engine's own counters (running requests...)."""
-        return {"replicas": await views.replica_stats(service.router)}
+        """Each replica's state and its engine's own counters (running requests...); per model, the
+        replicas desired (autoscaling) vs running, pending and draining."""
+        return {"replicas": await views.replica_stats(service.router), "models": views.scaling(service.router)}
 
     @app.get("/health")
     async def health() -> dict:

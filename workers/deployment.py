@@ -73,7 +73,9 @@ class RayDeployment:
                 # (p99 gap between engine outputs 72 ms vs 3.3 ms for `vllm serve`). The raylet
                 # reads this when it starts; on a cluster, set it for `ray start` (deploy/).
                 os.environ.setdefault("RAY_worker_niceness", "0")
-                ray.init(num_cpus=cpus, include_dashboard=False, namespace="tandem")
+                # address="local": always a Ray of its own, never one another program started on this host
+                # (joining one fails: "num_cpus must not be provided"); ray.address joins a cluster.
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False, namespace="tandem")
 
     @property
     def owns_replicas(self) -> bool:

@@ -8,6 +8,7 @@ import concurrent.futures as cf
 import json
 import os
 
+import httpx
 import pytest
 
 from gateway.autoscaler import Autoscaler
@@ -163,6 +164,8 @@ def test_load_scales_up_to_max_and_idleness_back_to_min_with_no_request_lost(tmp
                      "every stream to reach an engine")
             wait_for(lambda: len(pool.healthy()) == 3, "the model to scale up to max_replicas (3)")
             assert len(pool.replicas) == 3  # never above max
+            scaling = httpx.get(url + "/admin/replicas", timeout=30).json()["models"]["fake"]
+            assert scaling["desired"] == 3 and scaling["running"] == 3, scaling
             control.write_text("{}")
             assert [f.result(timeout=120) for f in futures] == ["ok"] * 4
         wait_for(lambda: len(pool.replicas) == 1, "the model to scale back down to min_replicas (1)")

@@ -2,7 +2,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -301,31 +300,6 @@ def test_transport_bench_rows():
 
     r = {"call": [1_000_000, 2_000_000, 3_000_000], "item": [500_000] * 3, "cpu": (0.003, 0.006)}
     assert format_rows({"ray": r}, 3).splitlines()[-1] == "| ray | 2.00 / 2.00 | 0.50 / 0.50 | 1.000 / 2.000 |"
-
-
-def test_socket_trial_target_runs_tandem_with_the_patching_sitecustomize(tmp_path):
-    import argparse
-
-    from tandem_tools.setups import TRIAL, build_setups
-
-    setups = build_setups(argparse.Namespace(port=9), "/m", tmp_path)
-    trial, tandem = setups[TRIAL].servers[0], setups["tandem"].servers[0]
-    assert trial.argv == tandem.argv and "TANDEM_SOCKET_TRIAL" not in tandem.env
-    site = trial.env["PYTHONPATH"].split(os.pathsep)[0]
-    assert trial.env["TANDEM_SOCKET_TRIAL"] == "1" and (Path(site) / "sitecustomize.py").exists()
-
-
-def test_socket_trial_frames_round_trip():
-    import asyncio
-
-    from tandem_tools.socket_trial import frame, read_frame
-
-    async def go():
-        reader = asyncio.StreamReader()
-        reader.feed_data(frame([("r1", "data: x\n\n")]) + frame(("submit", ("c", "chat", {}, "r2"))))
-        return await read_frame(reader), await read_frame(reader)
-
-    assert asyncio.run(go()) == ([("r1", "data: x\n\n")], ("submit", ("c", "chat", {}, "r2")))
 
 
 def test_hoptrace_stage_gaps_show_where_a_stall_starts():
