@@ -60,6 +60,18 @@ class Stack:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to ``proc``'s whole process group (every gateway process drains), SIGKILL to
+    what is left after 60 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.integration.stack import stop_group
 from tests.unit.gateway_server import HeldStreams, fake_gateway, stream_outcome
 from tests.waiting import wait_for
 
@@ -213,8 +214,6 @@ def test_two_gateway_processes_follow_the_owner_up_and_down(tmp_path):
     owner counts every process's requests on the replicas); each process serves the new replicas;
     then, with a request at a time going through either process the whole while, the model comes
     back to 1 replica and every one of those requests completes."""
-    import os
-    import signal
     import subprocess
     import sys
     import threading
@@ -289,10 +288,4 @@ def test_two_gateway_processes_follow_the_owner_up_and_down(tmp_path):
         for cs in locals().get("pinned", []):
             for c in cs:
                 c.close()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_group(proc)

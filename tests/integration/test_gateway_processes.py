@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from tests.integration.stack import stop_group
 from tests.unit.gateway_server import free_port
 from tests.waiting import wait_for
 
@@ -123,13 +124,7 @@ def gateway_group(tmp_path: Path, processes: int = 2, requests_per_minute: int |
         yield group
     finally:
         group.release()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_group(proc)
 
 
 def _stream(client: httpx.Client) -> str:
