@@ -91,14 +91,7 @@ class RayDeployment:
     def create_replicas(self, model: ModelConfig) -> list[tuple[str, RayReplicaHandle]]:
         """One actor per replica of ``model``: (replica id, its handle) each. Attached: the
         owner's actors, found by name (waiting for the owner to create them)."""
-        if self.role == "attached":
-            gw = self.config.gateway
-            lease = max(CHANNEL_LEASE_MIN_S, 10 * gw.health_interval_s)
-            return [(f"{model.name}/{i}", AttachedReplicaHandle(actor_name(f"{model.name}/{i}"), lease,
-                                                                channel=gw.channel))
-                    for i in range(model.replicas)]
-
-        return [self._create(model, i) for i in range(model.replicas)]
+        return [self.create_replica(model, i) for i in range(model.replicas)]
 
     def create_replica(self, model: ModelConfig, index: int) -> tuple[str, RayReplicaHandle]:
         """One more actor of ``model`` (autoscaling): replica ``<model>/<index>``. Attached: the

@@ -5,8 +5,8 @@ where its channel listens: ``EngineActor.open_socket`` (a Ray call) answers (hos
 Only the channel's traffic takes the socket: ``submit`` and ``abort`` in, batches of items out
 (``channel.py``'s ``Outbox`` and ``Demux`` on either end, as over Ray). Why: a Ray actor call
 is ~1.25 ms round trip and a streamed item ~0.8 ms one way on this box, a socket ~0.1 ms
-(``tandem_tools.transport_bench``), and the gateway's CPU per 1,000 streamed tokens fell from
-732 to 188 ms at c=1 in the trial that preceded this module.
+(``tandem_tools.transport_bench``); the gateway's CPU per 1,000 streamed tokens fell from 557
+to 129 ms at c=1 against the Ray channel, the first token from 9.5 to 7.5 ms (docs/benchmarks.md).
 
 Frames: a 4-byte big-endian length, then a pickle (protocol 5). **Authentication comes before
 any unpickling**: a client's first frame is the channel's token itself, raw bytes; the server
