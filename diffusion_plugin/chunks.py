@@ -12,8 +12,10 @@ import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from diffusion_plugin.request import FINISH_REASON, SeqStatus
+from diffusion_plugin.token_text import TextOffsets, token_bytes, token_string
 from tandem_core.errors import TandemError
 from tandem_core.protocol import DONE, Item
 
@@ -26,9 +28,19 @@ class Preview:
     preview: dict
 
 
+class Entry(NamedTuple):
+    """One committed token's logprobs: its id, logprob, the top (id, logprob) pairs, most probable
+    first, and its offset into the choice's text (``token_text``)."""
+
+    token_id: int
+    logprob: float
+    top: list
+    offset: int
+
+
 @dataclass
 class Delta:
-    """A committed block's new text; ``entries``: (token id, logprob, top) per token kept, or None."""
+    """A committed block's new text; ``entries``: an ``Entry`` per token kept, or None."""
 
     index: int
     text: str
@@ -37,11 +49,12 @@ class Delta:
 
 @dataclass
 class End:
-    """A choice ended: its last text (held back until now) and its finish_reason."""
+    """A choice ended: its last text and logprob entries (held back until now), its finish_reason."""
 
     index: int
     text: str
     finish_reason: str
+    entries: list | None = None
 
 
 @dataclass
@@ -65,14 +78,16 @@ class ChoiceText:
         self.text = ""
         self.sent = 0
         self.stopped = False
+        self.offsets = TextOffsets(tokenizer)
+        self.held: list[Entry] = []  # logprob entries of tokens whose text is held back
 
     @property
     def num_tokens(self) -> int:
         return len(self.ids)
 
-    def add(self, new_ids: list[int], logprobs: list | None = None) -> tuple[str, bool, list | None]:
-        """The new text, whether a stop string ended it, and the logprob entries (id, logprob,
-        top) of the tokens kept (a stop string drops those whose text starts after it)."""
+    def add(self, new_ids: list[int], logprobs: list | None = None) -> tuple[str, bool, list[Entry] | None]:
+        """The new text, whether a stop string ended it, and the logprob entries of the tokens
+        kept (a stop string drops those whose text starts at or after it)."""
         if self.stopped:
             return "", True, [] if logprobs is not None else None
         self.ids.extend(new_ids)
@@ -87,18 +102,17 @@ class ChoiceText:
         # cannot be taken back); ``flush`` sends what is held when the sequence ends.
         safe = len(self.text) if self.stopped else len(self.text.rstrip("\ufffd")) - self._stop_prefix()
         delta, self.sent = self.text[self.sent:safe], max(self.sent, safe)
-        entries = None
-        if logprobs is not None:
-            entries = [(t, lp, top) for t, (lp, top) in zip(new_ids, logprobs, strict=False)]
-            if self.stopped:
-                keep = len(self.tok.decode(self.ids[:len(self.ids) - len(new_ids)], skip_special_tokens=True))
-                kept = []
-                for e in entries:
-                    if keep >= len(self.text):
-                        break
-                    kept.append(e)
-                    keep += len(self.tok.decode([e[0]], skip_special_tokens=True))
-                entries = kept
+        if logprobs is None:
+            return delta, self.stopped, None
+        # A token's entry goes with its text: held while the text where it starts is held, dropped
+        # if a stop string cuts before it. Offsets depend on the tokens before only, so a stream
+        # and a whole answer carry the same entries whatever the blocks.
+        self.held += [Entry(t, lp, top, self.offsets.push(t)) for t, (lp, top) in zip(new_ids, logprobs, strict=True)]
+        if self.stopped:
+            entries, self.held = [e for e in self.held if e.offset < len(self.text)], []
+        else:
+            entries = [e for e in self.held if e.offset < self.sent]
+            self.held = self.held[len(entries):]
         return delta, self.stopped, entries
 
     def _stop_prefix(self) -> int:
@@ -107,9 +121,11 @@ class ChoiceText:
         return max((k for stop in self.stops for k in range(min(len(stop) - 1, len(text)), 0, -1)
                     if text.endswith(stop[:k])), default=0)
 
-    def flush(self) -> str:
+    def flush(self) -> tuple[str, list[Entry]]:
+        """What was held back, sent when the sequence ends: its text and logprob entries."""
         delta, self.sent = self.text[self.sent:], len(self.text)
-        return delta
+        entries, self.held = self.held, []
+        return delta, entries
 
     def preview(self, canvas_ids: list[int]) -> str:
         return self.tok.decode(canvas_ids, skip_special_tokens=True)
@@ -141,18 +157,20 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
             if isinstance(ev, Preview):
                 yield chunk(ev.index, {}, extra={"diffusion_preview": ev.preview})
             elif isinstance(ev, Delta):
-                offset = len(texts[ev.index])
                 texts[ev.index] += ev.text
                 if ev.entries is not None:
                     entries[ev.index].extend(ev.entries)
                 if stream:
-                    lp = None if ev.entries is None else logprobs_object(tokenizer, ev.entries, k, chat, offset)
+                    lp = None if ev.entries is None else logprobs_object(tokenizer, ev.entries, k, chat)
                     yield chunk(ev.index, {"content": ev.text}, logprobs=lp)
             elif isinstance(ev, End):
                 texts[ev.index] += ev.text
                 finish[ev.index] = ev.finish_reason
+                if ev.entries is not None:
+                    entries[ev.index].extend(ev.entries)
                 if stream:
-                    yield chunk(ev.index, {"content": ev.text} if ev.text else {}, finish=ev.finish_reason)
+                    lp = None if not ev.entries else logprobs_object(tokenizer, ev.entries, k, chat)
+                    yield chunk(ev.index, {"content": ev.text} if ev.text else {}, finish=ev.finish_reason, logprobs=lp)
             else:
                 usage = {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
                          "total_tokens": ev.prompt_tokens + ev.completion_tokens}
@@ -172,38 +190,29 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
     choices = []
     for i in range(n):
         out = {"message": {"role": "assistant", "content": texts[i]}} if chat else {"text": texts[i]}
-        lp = None if k is None else logprobs_object(tokenizer, entries[i], k, chat, 0)
+        lp = None if k is None else logprobs_object(tokenizer, entries[i], k, chat)
         choices.append({"index": i, **out, "logprobs": lp, "finish_reason": finish[i]})
     yield {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
            "model": model, "choices": choices, "usage": usage}
 
 
-def _token_str(tok, token_id: int) -> str:
-    """A token as logprobs name it: its own text, special tokens included (the text skips them)."""
-    return tok.decode([token_id])
-
-
-def logprobs_object(tok, entries: list, k: int, chat: bool, offset: int) -> dict:
-    """OpenAI's logprobs object for (token id, logprob, top [(id, logprob)...]) entries: chat's
-    ``content`` list, or completions' parallel lists (``text_offset`` from ``offset``)."""
+def logprobs_object(tok, entries: list[Entry], k: int, chat: bool) -> dict:
+    """OpenAI's logprobs object for ``entries``: chat's ``content`` list (with each token's bytes),
+    or completions' parallel lists. What a token's string, bytes and offset are: ``token_text``."""
     if chat:
         def item(t, lp):
-            s = _token_str(tok, t)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-        return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top[:k]]}
-                            for t, lp, top in entries], "refusal": None}
-    tokens = [_token_str(tok, t) for t, _, _ in entries]
-    offsets = []  # into the returned text, which skips special tokens
-    for t, _, _ in entries:
-        offsets.append(offset)
-        offset += len(tok.decode([t], skip_special_tokens=True))
+            return {"token": token_string(tok, t), "logprob": lp, "bytes": token_bytes(tok, t)}
+        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, v) for i, v in e.top[:k]]}
+                            for e in entries], "refusal": None}
     tops = []
-    for t, lp, top in entries:
-        d = {_token_str(tok, i): v for i, v in top[:k]}
-        d.setdefault(_token_str(tok, t), lp)  # the chosen token is always there, as vLLM does
+    for e in entries:
+        d: dict[str, float] = {}
+        for i, v in [(e.token_id, e.logprob), *e.top[:k]]:  # the chosen token is always there, as on vLLM;
+            d.setdefault(token_string(tok, i), v)  # tokens with one string (partial characters): the first
         tops.append(d)
-    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops,
-            "text_offset": offsets}
+    return {"tokens": [token_string(tok, e.token_id) for e in entries],
+            "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+            "text_offset": [e.offset for e in entries]}
 
 
 def _chunk(rid, created, model, chat, index, delta, finish=None, extra=None, logprobs=None) -> dict:

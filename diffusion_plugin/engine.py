@@ -180,7 +180,9 @@ class DiffusionEngine:
                     left -= 1
                     if ev.seq.status is SeqStatus.FINISHED_ERROR:
                         raise TandemError(ErrorKind.ENGINE_ERROR, f"the diffusion batch failed: {ev.seq.error}")
-                    yield End(i, text.flush(), text.finish_reason(ev.seq.status))
+                    rest, entries = text.flush()
+                    yield End(i, rest, text.finish_reason(ev.seq.status),
+                              entries if sreq.logprobs is not None else None)
             yield Usage(len(sreq.prompt_ids) * len(seqs), sum(t.num_tokens for t in texts))
         finally:
             for s in seqs:

@@ -34,11 +34,13 @@ class SeqRequest:
     stops: list[str] = field(default_factory=list)
     previews: bool = False
     logprobs: int | None = None  # None: none; k: each committed token's logprob and the top k
+    ignore_eos: bool = False  # blocks go on past EOS until max_tokens (EOS is then an ordinary token)
 
     def sequences(self, request_id: str, eos_token_ids: tuple[int, ...]) -> list[Sequence]:
         """Choice i is ``<request_id>-<i>`` with seed + i."""
         knobs = dict(self.knobs)
         seed = knobs.pop("seed")
+        eos_token_ids = () if self.ignore_eos else eos_token_ids
         return [Sequence(seq_id=f"{request_id}-{i}", prompt_ids=list(self.prompt_ids),
                          params=SamplingParams(max_tokens=self.max_tokens, seed=seed + i, eos_token_ids=eos_token_ids,
                                                previews=self.previews, logprobs=self.logprobs, **knobs),
@@ -84,7 +86,7 @@ class Intake:
         max_tokens = max_tokens or DEFAULT_MAX_TOKENS
         self._check_fits(prompt_ids, max_tokens, knobs, field, limit_field)
         return SeqRequest(prompt_ids, images, knobs, max_tokens, n, stops, req.diffusion.previews and req.stream,
-                          logprobs)
+                          logprobs, ignore_eos=getattr(req, "ignore_eos", False))
 
     def _prompt_ids(self, messages: list | None, prompt: str | None) -> list[int]:
         tok = self.adapter.tokenizer

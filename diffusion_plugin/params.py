@@ -8,6 +8,8 @@ Honoured (chat, completions; Responses in ``diffusion_plugin.responses``):
   ``max_tokens``, ``max_completion_tokens`` (chat), ``temperature`` (0..2; the end of the
   model's temperature schedule, 0 is near-greedy), ``seed``, ``stop`` (up to 4 strings), ``n``
   (1..16), ``stream``, ``stream_options.include_usage``, ``diffusion`` (the knobs below);
+- ``ignore_eos`` (vLLM's): blocks go on past EOS until ``max_tokens`` (or a stop string), an
+  EOS committed meanwhile being an ordinary token of the output (the text skips it, as vLLM's);
 - ``logprobs``/``top_logprobs`` (chat: bool and 0..20) and ``logprobs`` (completions: 0..20).
   The log-probability of a committed token is its log-softmax under the temperature-scaled
   distribution of the denoise step that committed its block (its last step: a block commits
@@ -125,6 +127,7 @@ class _Base(BaseModel):
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: dict | None = None
+    ignore_eos: bool = False
     diffusion: DiffusionKnobs = Field(default_factory=DiffusionKnobs)
 
     @field_validator("stop")

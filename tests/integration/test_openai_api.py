@@ -3,6 +3,8 @@
 import pytest
 from transformers import AutoTokenizer
 
+from tests.texts import first_with_a_stop_string
+
 MODEL = "tiny-llama"
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the river."}]
 
@@ -22,20 +24,21 @@ def test_models_list_shows_the_model_with_its_kind(stack):
 
 def test_chat_usage_equals_the_tokenizers_counts(stack, tokenizer):
     r = stack.client().chat.completions.create(model=MODEL, messages=MSGS, max_tokens=7, temperature=0,
-                                               extra_body={"return_token_ids": True})
+                                               extra_body={"return_token_ids": True, "ignore_eos": True})
     prompt_ids = tokenizer.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert r.usage.prompt_tokens == len(prompt_ids)
     assert r.usage.completion_tokens == 7 == len(r.choices[0].model_extra["token_ids"])
     assert r.usage.total_tokens == len(prompt_ids) + 7
     assert r.choices[0].finish_reason == "length"
     # vLLM's detokenizer holds back a trailing incomplete UTF-8 sequence (shown as U+FFFD).
-    decoded = tokenizer.decode(r.choices[0].model_extra["token_ids"])
+    decoded = tokenizer.decode(r.choices[0].model_extra["token_ids"], skip_special_tokens=True)
     assert decoded.rstrip("\ufffd") == r.choices[0].message.content
 
 
 def test_completion_usage_equals_the_tokenizers_counts(stack, tokenizer):
     prompt = "The library opens at nine and"
-    r = stack.client().completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    r = stack.client().completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                          extra_body={"ignore_eos": True})
     assert r.usage.prompt_tokens == len(tokenizer(prompt).input_ids)
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
 
@@ -64,7 +67,8 @@ def test_streamed_equals_non_streamed_at_temperature_0(stack, route):
 
 
 def test_n_2_gives_two_choices(stack):
-    r = stack.client().chat.completions.create(model=MODEL, messages=MSGS, n=2, max_tokens=6, temperature=1.0, seed=3)
+    r = stack.client().chat.completions.create(model=MODEL, messages=MSGS, n=2, max_tokens=6, temperature=1.0, seed=3,
+                                               extra_body={"ignore_eos": True})
     assert sorted(ch.index for ch in r.choices) == [0, 1]
     assert all(ch.finish_reason == "length" for ch in r.choices)
     assert r.usage.completion_tokens == 12
@@ -72,19 +76,18 @@ def test_n_2_gives_two_choices(stack):
 
 def test_stop_string_ends_with_finish_reason_stop(stack):
     c = stack.client()
-    base = c.completions.create(model=MODEL, prompt="Question: What is", max_tokens=16, temperature=0,
-                                logprobs=0).choices[0]
-    tokens = base.logprobs.tokens
-    stop = next(t for t in tokens[3:] if t.strip())  # a later token with visible text
-    cut = base.text.index(stop)
-    r = c.completions.create(model=MODEL, prompt="Question: What is", max_tokens=16, temperature=0, stop=[stop])
+    prompts = [f"Question {i}: What is" for i in range(20)]
+    i, text, stop = first_with_a_stop_string(lambda i: c.completions.create(
+        model=MODEL, prompt=prompts[i], max_tokens=16, temperature=0, extra_body={"ignore_eos": True}).choices[0].text)
+    r = c.completions.create(model=MODEL, prompt=prompts[i], max_tokens=16, temperature=0, stop=[stop],
+                             extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "stop"
-    assert r.choices[0].text == base.text[:cut]
+    assert r.choices[0].text == text[:text.index(stop)]
 
 
 def test_logprobs(stack):
     r = stack.client().chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5, temperature=0,
-                                               logprobs=True, top_logprobs=2)
+                                               logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     content = r.choices[0].logprobs.content
     assert len(content) == 5
     for tok in content:

@@ -229,5 +229,26 @@ def test_a_stop_string_across_blocks_never_leaks(blocks, stops, sent):
     next block (seen: "tok " sent, then the stop "k a" completed by the next block)."""
     tok = CharTokenizer()
     text = ChoiceText(tok, stops)
-    out = "".join(text.add([ord(c) for c in b])[0] for b in blocks) + text.flush()
+    out = "".join(text.add([ord(c) for c in b])[0] for b in blocks) + text.flush()[0]
     assert out == sent
+
+
+class EosRunner(FakeRunner):
+    """Commits ``"t"``, EOS, ``"k"``, ``" "`` every block."""
+
+    def execute(self, batch, seqs):
+        block = [ord("t"), EOS, ord("k"), ord(" ")]
+        return StepOutput(rows=[RowOutput(sid, True, committed=block) for sid in batch.denoise])
+
+
+def test_ignore_eos_goes_on_past_eos_until_max_tokens():
+    async def test(engine, runner):
+        body = {"model": "m", "prompt": "x", "max_tokens": 10}
+        return (await items(engine.completions(body, "a")))[0], (await items(engine.completions(
+            {**body, "ignore_eos": True}, "b")))[0]
+
+    stopped, ignored = run(test, EosRunner())
+    assert stopped["choices"][0]["text"] == "t" and stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == 1
+    assert ignored["choices"][0]["text"] == "tk tk t" and ignored["choices"][0]["finish_reason"] == "length"
+    assert ignored["usage"]["completion_tokens"] == 10  # EOS counted as the ordinary token it is here

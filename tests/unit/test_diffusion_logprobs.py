@@ -1,0 +1,172 @@
+"""Logprobs of committed tokens whose characters are split across tokens and across blocks: the
+streamed answer's logprobs, joined, equal the whole answer's (completions and chat), and a
+token's string, bytes and offset are what ``diffusion_plugin.token_text`` says.
+
+The inputs are built, not sampled: a scripted runner commits a chosen token sequence (the tiny
+models' real byte-level tokenizer, where ``Ѣ`` and ``€`` are several tokens each) a canvas at a
+time, shifted so that split characters fall inside a block and across a block boundary."""
+
+import asyncio
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from diffusion_plugin.batch import RowOutput, StepOutput
+from diffusion_plugin.engine import DiffusionEngine
+from diffusion_plugin.token_text import TextOffsets, token_bytes
+from tandem_core.protocol import DONE
+from workers import tiny_models
+
+CANVAS = 4
+TEXT = "ab Ѣ€ c€dѢ"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA))
+
+
+class Adapter:
+    canvas_length = CANVAS
+    max_position = 10**6
+    has_vision = False
+
+    def __init__(self, tok):
+        self.tokenizer = tok
+        self.eos_token_ids = (tok.convert_tokens_to_ids("<|im_end|>"),)
+
+    def defaults(self):
+        return {"max_denoising_steps": 1, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8,
+                "stability_threshold": 1, "confidence_threshold": 0.005}
+
+
+class ScriptRunner:
+    """Commits ``script`` a canvas at a time (one step a block), each token with logprob -0.5 - i/100
+    and a second candidate one lower."""
+
+    def __init__(self, script):
+        self.script = script
+
+    def execute(self, batch, seqs):
+        rows = []
+        for sid in batch.denoise:
+            seq = seqs[sid]
+            at = len(seq.output_ids)
+            block = self.script[at:at + CANVAS]
+            block += [self.script[-1]] * (CANVAS - len(block))
+            lps = [(-0.5 - (at + j) / 100, [(t, -0.5 - (at + j) / 100), (t + 1, -1.5 - (at + j) / 100)])
+                   for j, t in enumerate(block)] if seq.params.logprobs is not None else None
+            rows.append(RowOutput(sid, True, committed=block, logprobs=lps))
+        return StepOutput(rows=rows)
+
+    def free(self, seq_id):
+        pass
+
+    def reset(self):
+        pass
+
+
+def serve(tok, script, calls):
+    """Each (route, body) of ``calls`` on an engine whose runner commits ``script``; their items."""
+    async def main():
+        engine = DiffusionEngine("m", "unused", {"max_batch": 4})
+        engine.start_with(Adapter(tok), ScriptRunner(script), memory=None)
+        try:
+            return [[x async for x in getattr(engine, route)(body, f"r{i}")] for i, (route, body) in enumerate(calls)]
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def payloads(items):
+    return [json.loads(c[len("data: "):]) for c in items if isinstance(c, str) and c != DONE]
+
+
+def shifted(tok, shift):
+    """``shift`` one-byte tokens, then TEXT's tokens: the split characters move across blocks."""
+    return tok("x" * shift, add_special_tokens=False).input_ids + tok(TEXT, add_special_tokens=False).input_ids
+
+
+def straddles(tok, ids) -> bool:
+    """Whether some character's tokens lie in two blocks."""
+    return any(tok.decode(ids[:b]).endswith("\ufffd") for b in range(CANVAS, len(ids), CANVAS))
+
+
+def test_the_inputs_split_characters_inside_and_across_blocks(tok):
+    ids = tok(TEXT, add_special_tokens=False).input_ids
+    assert len(ids) > len(TEXT)  # some character is several tokens
+    assert any(straddles(tok, shifted(tok, s)) for s in range(CANVAS))
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)
+
+
+@pytest.mark.parametrize("shift", range(CANVAS))
+def test_completions_streamed_logprobs_equal_the_whole_answers(tok, shift):
+    script = shifted(tok, shift)
+    body = {"model": "m", "prompt": "p", "max_tokens": len(script), "logprobs": 2, "seed": 1}
+    (whole,), streamed = serve(tok, script, [("completions", body), ("completions", {**body, "stream": True})])
+    choice = whole["choices"][0]
+    assert choice["text"] == "x" * shift + TEXT and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    joined = {key: [v for c in payloads(streamed) for ch in c["choices"] if ch["logprobs"]
+                    for v in ch["logprobs"][key]] for key in lp}
+    assert joined == lp
+    # The definitions: a token decoded alone; the offset of the character holding its first byte.
+    assert lp["tokens"] == [tok.decode([t]) for t in script]
+    assert lp["text_offset"] == [len(tok.decode(script[:i]).rstrip("\ufffd")) for i in range(len(script))]
+    text_bytes = choice["text"].encode()
+    at = 0
+    for t, offset in zip(script, lp["text_offset"], strict=True):
+        assert len(choice["text"][:offset].encode()) <= at < len(choice["text"][:offset + 1].encode())
+        at += len(token_bytes(tok, t))
+    assert at == len(text_bytes)
+    assert lp["token_logprobs"] == [max(top.values()) for top in lp["top_logprobs"]]
+
+
+@pytest.mark.parametrize("shift", range(CANVAS))
+def test_chat_streamed_logprobs_equal_the_whole_answers_and_bytes_join_to_the_text(tok, shift):
+    script = shifted(tok, shift)
+    body = {"model": "m", "messages": [{"role": "user", "content": "p"}], "max_tokens": len(script),
+            "logprobs": True, "top_logprobs": 2, "seed": 1}
+    (whole,), streamed = serve(tok, script, [("chat", body), ("chat", {**body, "stream": True})])
+    choice = whole["choices"][0]
+    content = choice["logprobs"]["content"]
+    joined = [e for c in payloads(streamed) for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
+    assert joined == content and len(content) == len(script)
+    assert bytes(b for e in content for b in e["bytes"]) == choice["message"]["content"].encode()
+    assert "".join(ch["delta"].get("content", "") for c in payloads(streamed) for ch in c["choices"]) == \
+        choice["message"]["content"] == "x" * shift + TEXT
+    assert all(e["top_logprobs"][0]["logprob"] == e["logprob"] and len(e["top_logprobs"]) == 2 for e in content)
+
+
+@pytest.mark.parametrize("stop", ["€d", "c€", "Ѣ€"])
+def test_a_stop_string_after_a_split_character_keeps_the_tokens_before_it(tok, stop):
+    script = shifted(tok, 1)
+    body = {"model": "m", "prompt": "p", "max_tokens": len(script), "logprobs": 1, "seed": 1}
+    (whole,), (cut,), streamed = serve(tok, script, [("completions", body), ("completions", {**body, "stop": stop}),
+                                                     ("completions", {**body, "stop": stop, "stream": True})])
+    full, lp = whole["choices"][0]["logprobs"], cut["choices"][0]["logprobs"]
+    text = cut["choices"][0]["text"]
+    assert text == ("x" + TEXT)[:("x" + TEXT).index(stop)] and cut["choices"][0]["finish_reason"] == "stop"
+    n = len(lp["tokens"])
+    assert lp["tokens"] == full["tokens"][:n] and lp["text_offset"] == full["text_offset"][:n]
+    assert all(o < len(text) for o in lp["text_offset"]) and full["text_offset"][n] >= len(text)
+    joined = {key: [v for c in payloads(streamed) for ch in c["choices"] if ch["logprobs"]
+                    for v in ch["logprobs"][key]] for key in lp}
+    assert joined == lp
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 1026), st.integers(6, 300)), max_size=40))
+def test_offsets_are_a_function_of_the_tokens_before(tok, ids):
+    """Any token sequence (invalid UTF-8, special tokens, image tokens): the incremental offsets
+    equal the definition, and the tokens' bytes join to the text."""
+    offsets = TextOffsets(tok)
+    assert [offsets.push(t) for t in ids] == \
+        [len(tok.decode(ids[:i], skip_special_tokens=True).rstrip("\ufffd")) for i in range(len(ids))]
+    special = set(tok.all_special_ids)
+    joined = bytes(b for t in ids if t not in special for b in token_bytes(tok, t))
+    assert joined.decode("utf-8", errors="replace") == tok.decode(ids, skip_special_tokens=True)
