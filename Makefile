@@ -3,15 +3,17 @@ PYTHON ?= python3
 VENV   ?= .venv
 # GPU nodes: make setup EXTRAS=gpu,test
 EXTRAS ?= cpu,test
+# Pinned versions (constraints/lock.sh, `make lock`, writes them): a fresh install resolves these.
+CONSTRAINTS ?= constraints/$(if $(findstring gpu,$(EXTRAS)),gpu,cpu).txt
 BIN    := $(VENV)/bin
 
-.PHONY: setup models prometheus serve test unit bench clean
+.PHONY: setup models prometheus serve test unit bench clean lock
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	@# vllm pulls CUDA builds of these from PyPI; they break `import transformers` on CPU.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
@@ -35,6 +37,10 @@ unit: setup
 
 bench: models
 	$(BIN)/tandem bench $(ARGS)
+
+# Re-resolve every dependency afresh and rewrite constraints/ (then commit them and `make clean test`).
+lock:
+	PYTHON=$(PYTHON) constraints/lock.sh
 
 clean:
 	rm -rf $(VENV) models .pytest_cache

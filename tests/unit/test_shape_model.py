@@ -34,6 +34,21 @@ def test_config_has_the_real_shape(path):
     assert tiny_models.is_built(path)
 
 
+def test_a_build_made_with_other_library_versions_is_stale(tmp_path):
+    """The tokenizer is trained and the weights drawn at build time: other tokenizers, transformers,
+    torch or safetensors versions can change a build's bytes, so it is rebuilt."""
+    stamp = tmp_path / "tandem_build.json"
+    now = tiny_models.build_version(tiny_models.TINY_LLAMA)
+    assert set(now["libraries"]) == {"tokenizers", "transformers", "torch", "safetensors"}
+    assert all(now["libraries"].values())
+    stamp.write_text(json.dumps({"name": "tiny-llama", **now}))
+    assert tiny_models.is_built(tmp_path, tiny_models.TINY_LLAMA)
+    stamp.write_text(json.dumps({"name": "tiny-llama", **now, "libraries": {**now["libraries"], "tokenizers": "0.1"}}))
+    assert not tiny_models.is_built(tmp_path, tiny_models.TINY_LLAMA)
+    stamp.write_text(json.dumps({"name": "tiny-llama", "version": now["version"]}))  # a stamp from before
+    assert not tiny_models.is_built(tmp_path, tiny_models.TINY_LLAMA)
+
+
 def test_loads_and_runs_one_step(path):
     from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion, DynamicCache
 

@@ -33,14 +33,36 @@ BUILDERS = {TINY_LLAMA: build_tiny_llama, TINY_DIFFUSIONGEMMA: build_tiny_diffus
 VERSIONS = {TINY_LLAMA: BUILD_VERSION, TINY_DIFFUSIONGEMMA: BUILD_VERSION, SHAPE_DIFFUSIONGEMMA: 1}
 
 
+# The libraries whose versions can change a build's bytes (the tokenizer is trained, the weights
+# drawn and saved at build time): a build made with other versions is stale, as with another recipe.
+SHAPING_LIBRARIES = ("tokenizers", "transformers", "torch", "safetensors")
+
+
 def _stamp(path: Path) -> Path:
     return path / "tandem_build.json"
 
 
+def build_version(name: str) -> dict:
+    """What a build of ``name`` is made from: its recipe's version and the shaping libraries'."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(lib: str) -> str | None:
+        try:
+            return version(lib)
+        except PackageNotFoundError:
+            return None
+
+    return {"version": VERSIONS.get(name, BUILD_VERSION),
+            "libraries": {lib: installed(lib) for lib in SHAPING_LIBRARIES}}
+
+
 def is_built(path: Path, name: str | None = None) -> bool:
     stamp = _stamp(path)
-    version = VERSIONS.get(name or path.name, BUILD_VERSION)
-    return stamp.exists() and json.loads(stamp.read_text()).get("version") == version
+    if not stamp.exists():
+        return False
+    recorded = json.loads(stamp.read_text())
+    wanted = build_version(name or path.name)
+    return all(recorded.get(k) == v for k, v in wanted.items())
 
 
 def build(name: str, root: Path = DEFAULT_DIR, force: bool = False) -> Path:
@@ -55,7 +77,7 @@ def build(name: str, root: Path = DEFAULT_DIR, force: bool = False) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     BUILDERS[name](tmp)
-    _stamp(tmp).write_text(json.dumps({"name": name, "version": VERSIONS[name]}))
+    _stamp(tmp).write_text(json.dumps({"name": name, **build_version(name)}))
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
     logger.info("built %s", path)
