@@ -66,6 +66,9 @@ class Sequence:
     # The request's encoded images (the family's ImageEmbeds; opaque here): used by this
     # sequence's prompt pass only, then dropped.
     images: object | None = None
+    # A structured output's compiled grammar (xgrammar's CompiledGrammar; opaque here): the
+    # runner keeps a matcher per sequence over it (``diffusion_plugin.grammar``).
+    grammar: object | None = None
 
     @property
     def num_cached(self) -> int:

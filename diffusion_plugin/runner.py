@@ -40,8 +40,8 @@ from diffusion_plugin.kv_view import FastViews, KVPool, release
 from diffusion_plugin.request import Sequence
 
 SAMPLERS = ("exact", "fast")
-# Streams of the fast mode's hash draws.
-_INIT, _SAMPLE, _RENOISE = 1, 2, 3
+# Streams of the fast mode's hash draws (_GRAMMAR: a constrained row's redraws, ``grammar``).
+_INIT, _SAMPLE, _RENOISE, _GRAMMAR = 1, 2, 3, 4
 
 
 @dataclass
@@ -57,6 +57,7 @@ class _Row:
     argmax: torch.Tensor | None = None
     version: int = 0  # bumped when the cache changes
     images: object | None = None  # this sequence's own image features, until its prompt pass
+    grammar: object | None = None  # a constrained sequence's ``grammar.RowGrammar``
 
 
 class Runner:
@@ -84,7 +85,14 @@ class Runner:
         gen = torch.Generator(device=self.adapter.device).manual_seed(seq.params.seed)
         pending = torch.tensor([seq.prompt_ids], dtype=torch.long, device=self.adapter.device)
         cache = self.adapter.new_cache(self._kv_pool() if self.sampler == "fast" else None)
-        self.rows[seq.seq_id] = _Row(seq=seq, cache=cache, generator=gen, pending=pending, images=seq.images)
+        grammar = None
+        if seq.grammar is not None:
+            from diffusion_plugin.grammar import RowGrammar
+
+            grammar = RowGrammar(seq.grammar, self.adapter.vocab_size, seq.params.eos_token_ids or
+                                 self.adapter.eos_token_ids, self.adapter.canvas_length)
+        self.rows[seq.seq_id] = _Row(seq=seq, cache=cache, generator=gen, pending=pending, images=seq.images,
+                                     grammar=grammar)
 
     def free(self, seq_id: str) -> None:
         row = self.rows.pop(seq_id, None)
@@ -221,10 +229,14 @@ class Runner:
             done = (stable and confident_b) or steps_left[b] <= 1
             if done:
                 row.pending = row.argmax  # the commit pass encodes the argmax canvas
+            if row.grammar is not None:
+                row.grammar.settle(committed=done)  # the committed tokens are this step's argmax canvas
             logprobs = None
             if done and tops[b] is not None:  # one host transfer, for the rows that asked, at their commit
                 values, ids = (t.tolist() for t in tops[b])
-                logprobs = [(v[0], list(zip(i, v, strict=True))) for v, i in zip(values, ids, strict=True)]
+                # (a grammar's refused tokens are -inf in exact mode: not candidates, left out)
+                logprobs = [(v[0], [(t, x) for t, x in zip(i, v, strict=True) if x != float("-inf")])
+                            for v, i in zip(values, ids, strict=True)]
             outputs.append(RowOutput(seq_id=row.seq.seq_id, block_done=done, committed=tokens if done else None,
                                      preview=tokens if p.previews else None, logprobs=logprobs))
         return outputs
@@ -233,6 +245,9 @@ class Runner:
         """Per row, HF's shapes and ops, each row's draws from its own generator in HF's order
         (multinomial noise, then renoise). Exact mode only: bit-exactness needs (1, C, V)."""
         parts = [vocab.exact_row(self.adapter.model, hidden[b:b + 1], r.seq.params, steps_left[b], r.generator)
+                 if r.grammar is None else
+                 vocab.exact_row_constrained(self.adapter.model, hidden[b:b + 1], r.seq.params, steps_left[b],
+                                             r.generator, r.grammar)
                  for b, r in enumerate(rows)]
         return *(torch.cat(xs) for xs in zip(*(x[:5] for x in parts), strict=True)), [x[5] for x in parts]
 
@@ -246,8 +261,12 @@ class Runner:
         renoise = vocab.hash_draws(seeds, counters, C, _RENOISE) % V
         k = self.chunk_rows
         ks = [r.seq.params.logprobs for r in rows]
+        grammars = [r.grammar for r in rows]
+        uniform2 = vocab.hash_uniform(seeds, counters, C, _GRAMMAR) if any(g is not None for g in grammars) else None
         parts = [vocab.fast_chunk(self.adapter.model, hidden[i:i + k], inv_t[i:i + k], uniform[i:i + k], self._scratch,
-                                  ks[i:i + k] if any(x is not None for x in ks[i:i + k]) else None)
+                                  ks[i:i + k] if any(x is not None for x in ks[i:i + k]) else None,
+                                  grammars[i:i + k] if any(g is not None for g in grammars[i:i + k]) else None,
+                                  None if uniform2 is None else uniform2[i:i + k])
                  for i in range(0, len(rows), k)]
         sampled, argmax, entropy, soft = (torch.cat(xs) for xs in zip(*(x[:4] for x in parts), strict=True))
         return sampled, argmax, entropy, renoise, soft, [t for x in parts for t in x[4]]

@@ -70,6 +70,54 @@ def exact_row(model, hidden: torch.Tensor, p: SamplingParams, steps_left: int, g
     return sampled, argmax, entropy, renoise, soft, top
 
 
+@torch.no_grad()
+def exact_row_constrained(model, hidden: torch.Tensor, p: SamplingParams, steps_left: int,
+                          generator: torch.Generator, grammar):
+    """``exact_row`` for a row under a grammar (``diffusion_plugin.grammar``): HF's expressions
+    and random draws in HF's order (so its generator advances as an unconstrained row's), the
+    argmax and the multinomial (argmax of probs / Exp(1) noise) restricted position by position
+    to what the grammar allows, then softmax, soft embedding, entropy and logprobs of the
+    distribution masked by the argmax canvas's masks. Not HF's (HF has no grammar)."""
+    from diffusion_plugin.grammar import masked_argmax
+
+    cap = model.final_logit_softcapping
+    processed = model.lm_head(hidden).to(torch.float32)
+    processed.div_(cap).tanh_().mul_(cap)
+    processed.div_(temperature(p, steps_left, processed.device))
+    probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+    ratio = torch.empty_like(probs).exponential_(1, generator=generator)
+    torch.div(probs, ratio, out=ratio)
+    del probs
+    sampled_u = torch.argmax(ratio, dim=-1)
+    renoise = torch.randint(low=0, high=model.config.text_config.vocab_size, size=sampled_u.shape,
+                            generator=generator, device=sampled_u.device)
+    argmax_u = torch.argmax(processed, dim=-1)
+    a, s = grammar.draft(argmax_u[0].tolist(), sampled_u[0].tolist(),
+                         lambda j, ids: masked_argmax(processed[0, j], ids),
+                         lambda j, ids: masked_argmax(ratio[0, j], ids))  # noqa: F821 - deleted after
+    ratio = None
+    xgr_apply(processed[0], grammar.masks)
+    argmax = torch.tensor([a], dtype=argmax_u.dtype, device=argmax_u.device)
+    sampled = torch.tensor([s], dtype=sampled_u.dtype, device=sampled_u.device)
+    top = None if p.logprobs is None else top_logprobs(processed[0], p.logprobs, torch.logsumexp(processed[0], -1))
+    probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
+    embed = model.model.decoder.embed_tokens
+    soft = torch.matmul(probs.to(embed.weight.dtype), embed.weight) * embed.embed_scale.to(hidden.dtype)
+    del probs
+    normalised = processed.sub_(processed.logsumexp(dim=-1, keepdim=True))
+    p_norm = torch.softmax(normalised, dim=-1)
+    entropy = -normalised.clamp_(min=torch.finfo(normalised.dtype).min).mul_(p_norm).sum(-1)
+    return sampled, argmax, entropy, renoise, soft, top
+
+
+def xgr_apply(logits: torch.Tensor, masks: torch.Tensor) -> None:
+    """-inf, in place, wherever a position's mask (one row of ``masks`` per row of ``logits``)
+    refuses a token."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, masks, vocab_size=logits.shape[-1])
+
+
 def top_logprobs(x: torch.Tensor, k: int, log_total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(C, V) logits (any shift), their log-normaliser (C,) -> the top max(k, 1) log-softmax
     values and ids, each (C, max(k, 1)): a requesting row only, read from the chunk's tensor."""
@@ -114,10 +162,13 @@ class Scratch:
 
 @torch.no_grad()
 def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.Tensor, scratch: Scratch,
-               ks: list[int | None] | None = None):
+               ks: list[int | None] | None = None, grammars: list | None = None, uniform2: torch.Tensor | None = None):
     """R rows (R, C, H), 1/temperature (R,), one uniform per position (R, C) float64 ->
     (sampled, argmax, entropy) each (R, C), the soft embedding (R, C, H), and per row its top
-    (logprobs, ids) if ``ks[row]`` is not None (``top_logprobs``), else None."""
+    (logprobs, ids) if ``ks[row]`` is not None (``top_logprobs``), else None. ``grammars``: per
+    row a ``grammar.RowGrammar`` or None; a constrained row's canvases follow its grammar
+    (``_fast_draft``, with a second uniform per position, ``uniform2``) and its distribution is
+    masked by its argmax canvas's masks; the other rows' work is unchanged."""
     cap = model.final_logit_softcapping
     embed = model.model.decoder.embed_tokens
     weight = model.lm_head.weight
@@ -128,6 +179,10 @@ def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.
     else:
         x.copy_(torch.matmul(hidden, weight.t()))
     x.div_(cap).tanh_().mul_((cap * inv_t).to(x.dtype)[:, None, None])  # softcap, then / temperature
+    drafts = {b: _fast_draft(g, x[b], e[b], uniform[b], uniform2[b])
+              for b, g in enumerate(grammars or []) if g is not None}
+    for b in drafts:
+        xgr_apply(x[b], grammars[b].masks)  # the argmax canvas's masks: -inf where refused
     top, argmax = x.max(dim=-1)
     # Log-probabilities up to the log-normaliser, clamped where exp() would give a denormal
     # (a matmul over denormals is ~60x slower on CPU): a token below e^-87 of the top one keeps
@@ -141,7 +196,34 @@ def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.
     tops = [None if k is None else top_logprobs(x[b], k, torch.log(total[b])) for b, k in enumerate(ks or [None] * R)]
     # Entropy of softmax(x): log S - sum(e * x) / S (x shifted by its max, so S >= 1).
     entropy = torch.log(total) - x.mul_(e).sum(-1) / total
+    for b, (a, s) in drafts.items():
+        argmax[b] = torch.tensor(a, dtype=argmax.dtype, device=argmax.device)
+        sampled[b] = torch.tensor(s, dtype=sampled.dtype, device=sampled.device)
     return sampled, argmax, entropy, soft, tops
+
+
+def _fast_draft(grammar, x: torch.Tensor, e: torch.Tensor, uniform: torch.Tensor,
+                uniform2: torch.Tensor) -> tuple[list[int], list[int]]:
+    """One constrained row's (argmax, sampled) canvases (``grammar.RowGrammar.draft``) from its
+    processed logits (C, V), before any masking: the unconstrained argmax and inverse-CDF draw
+    (``e``, the row's exponent buffer, as scratch) are taken where the grammar allows them; else
+    the argmax over the allowed ids, or a draw from the allowed ids' renormalised probabilities
+    with the position's second uniform."""
+    from diffusion_plugin.grammar import masked_argmax
+
+    top, argmax = x.max(dim=-1)
+    torch.sub(x, top[:, None], out=e).clamp_(min=MIN_EXPONENT).exp_()
+    sampled = _inverse_cdf(e[None], uniform[None])[0]
+    u2 = uniform2.tolist()
+
+    def sample_in(j: int, ids) -> int:
+        idx = torch.from_numpy(ids)
+        v = x[j, idx].to(torch.float64)
+        cdf = torch.exp(v - v.max()).cumsum(0)
+        k = int(torch.searchsorted(cdf, torch.tensor([u2[j] * float(cdf[-1])], dtype=torch.float64), right=True))
+        return int(idx[min(k, len(ids) - 1)])
+
+    return grammar.draft(argmax.tolist(), sampled.tolist(), lambda j, ids: masked_argmax(x[j], ids), sample_in)
 
 
 def _inverse_cdf(e: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

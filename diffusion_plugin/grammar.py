@@ -1,0 +1,179 @@
+"""Grammar-constrained canvases: structured outputs on a block-diffusion model (xgrammar).
+
+**The rule**: every committed token is allowed by the grammar given everything committed before
+it, so a finished response always parses; once the grammar has ended (it accepted an
+end-of-sequence token) every later position is end-of-sequence, and the response finishes there
+with ``stop`` (or ``length`` if ``max_tokens`` cuts it first).
+
+**In the canvas, every step** (``RowGrammar.draft``, called by the vocab pass of each
+constrained row; an unconstrained row never comes here): the step's two canvases are built
+left to right in canvas order from the matcher at the row's committed tokens:
+
+- the *argmax* canvas: position j takes the most probable token the grammar allows after
+  positions 0..j-1 of this canvas (the unconstrained argmax when it is allowed, which is one bit
+  test; else the argmax over the allowed ids);
+- the *sampled* canvas: position j takes the step's own draw when the grammar allows it after
+  positions 0..j-1 of the sampled canvas, else a draw from the distribution restricted to the
+  allowed ids with a second random number (a rejected draw redrawn from the restriction: the
+  result is distributed as the restricted distribution). While the two canvases agree they share
+  the matcher and its masks; where they part, the sampled one forks it.
+
+The row's distribution at each position is then masked with the argmax canvas's masks, so its
+entropy (the acceptance and convergence tests) and its self-conditioning signal describe the
+draft that commits. At the block's commit, the committed tokens are exactly that argmax canvas:
+the matcher keeps the state it reached (``settle(True)``); otherwise it rolls back.
+
+**Cost** per constrained row and step: ``canvas_length`` mask fills (xgrammar's, over the
+tokenizer), one more for each position after the canvases part, a bit test per position and an
+allowed-id gather where the model's choice is refused, and one extra vocabulary-wide mask and
+exponent pass for the masked distribution (``docs/benchmarks.md`` has the figures).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+# JSON grammars allow whitespace between elements, as vLLM's do, but at most this many characters
+# in a row: a canvas position is as cheap to fill with a space as with anything else, so unbounded
+# whitespace let a (random) model pad a bounded schema past any max_tokens.
+WHITESPACE = 8
+
+
+class GrammarCompiler:
+    """xgrammar's compiler over one model's tokenizer: built once per engine, compiled grammars
+    cached by xgrammar. ``compile(kind, spec)`` takes vLLM's structured-output kinds."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(eos_token_ids))
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+        self.vocab_size = vocab_size
+
+    def compile(self, kind: str, spec: str) -> xgr.CompiledGrammar:
+        """``kind``: json (a schema), json_object, regex, grammar (EBNF or Lark), structural_tag.
+        Raises whatever xgrammar raises for a spec it cannot compile (the caller makes it a 400)."""
+        if kind in ("json", "json_object"):
+            return self._json(spec if kind == "json" else '{"type": "object"}')
+        if kind == "regex":
+            return self.compiler.compile_regex(spec)
+        if kind == "grammar":
+            return self.compiler.compile_grammar(spec)
+        if kind == "structural_tag":
+            return self.compiler.compile_structural_tag(spec)
+        raise ValueError(f"bug: unknown structured output kind {kind!r}")
+
+
+    def _json(self, schema: str) -> xgr.CompiledGrammar:
+        """Strict JSON (what ``json.loads`` accepts): xgrammar's rule for a string with a length
+        bound admits raw control characters (and no escapes), which JSON forbids; the grammar's
+        EBNF is compiled with that rule's characters limited as its plain strings' are."""
+        grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=WHITESPACE))
+        strict = grammar.replace(_LOOSE_CHARS, _STRICT_CHARS)
+        if strict == grammar:
+            return self.compiler.compile_json_schema(schema, any_whitespace=True, max_whitespace_cnt=WHITESPACE)
+        return self.compiler.compile_grammar(strict)
+
+
+_LOOSE_CHARS = '[^\\"\\\\\\r\\n]'
+_STRICT_CHARS = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+
+
+def allowed_ids(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The token ids a bitmask row (uint32 words) allows."""
+    bits = np.unpackbits(mask_row.view(np.uint8), bitorder="little")
+    ids = np.flatnonzero(bits)
+    return ids[ids < vocab_size]
+
+
+class RowGrammar:
+    """One sequence's grammar: its matcher at the committed tokens, and the masks of the current
+    step's argmax canvas (``masks``, (canvas, words) int32, for ``apply_token_bitmask_inplace``)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 canvas_length: int):
+        if not eos_token_ids:
+            raise ValueError("bug: a constrained sequence needs an end-of-sequence token")
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(eos_token_ids))
+        self.vocab_size = vocab_size
+        self.eos = eos_token_ids[0]
+        self.masks = xgr.allocate_token_bitmask(canvas_length, vocab_size)
+        self._masks = self.masks.numpy().view(np.uint32)
+        self._fork_mask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._fork_masks = self._fork_mask.numpy().view(np.uint32)
+        self._accepted = 0  # tokens the matcher took in this step's pass: rolled back unless committed
+
+    @property
+    def ended(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def draft(self, argmax: list[int], sampled: list[int], argmax_in: Callable[[int, np.ndarray], int],
+              sample_in: Callable[[int, np.ndarray], int]) -> tuple[list[int], list[int]]:
+        """This step's (argmax canvas, sampled canvas) under the grammar, from the unconstrained
+        ``argmax`` and ``sampled`` canvases; ``argmax_in(j, ids)`` / ``sample_in(j, ids)``: the
+        argmax / a draw at position j restricted to ``ids``. Fills ``masks``."""
+        m, fork = self.matcher, None
+        out_a, out_s = [], []
+        for j, (cand_a, cand_s) in enumerate(zip(argmax, sampled, strict=True)):
+            ended_a = m.is_terminated()
+            if ended_a:
+                self._only_eos(self._masks[j])
+                a = self.eos
+            else:
+                m.fill_next_token_bitmask(self.masks, j)
+                a = cand_a if self._allows(self._masks[j], cand_a) else self._pick(argmax_in, j, self._masks[j])
+            if fork is None:  # the sampled canvas is still the argmax canvas: same state, same mask
+                s = self.eos if ended_a else (
+                    cand_s if self._allows(self._masks[j], cand_s) else self._pick(sample_in, j, self._masks[j]))
+                if s != a:
+                    fork = m.fork()
+            elif fork.is_terminated():
+                s = self.eos
+            else:
+                fork.fill_next_token_bitmask(self._fork_mask, 0)
+                s = cand_s if self._allows(self._fork_masks[0], cand_s) else \
+                    self._pick(sample_in, j, self._fork_masks[0])
+            if not ended_a:
+                self._accept(m, a)
+                self._accepted += 1
+            if fork is not None and not fork.is_terminated():
+                self._accept(fork, s)
+            out_a.append(a)
+            out_s.append(s)
+        return out_a, out_s
+
+    def settle(self, committed: bool) -> None:
+        """After the step: the argmax canvas committed (keep the matcher's state), or not (roll it
+        back to the committed tokens)."""
+        if not committed and self._accepted:
+            self.matcher.rollback(self._accepted)
+        self._accepted = 0
+
+    # -- helpers --------------------------------------------------------------------------
+    @staticmethod
+    def _allows(mask_row: np.ndarray, token: int) -> bool:
+        return bool((int(mask_row[token >> 5]) >> (token & 31)) & 1)
+
+    def _pick(self, within: Callable[[int, np.ndarray], int], j: int, mask_row: np.ndarray) -> int:
+        ids = allowed_ids(mask_row, self.vocab_size)
+        if len(ids) == 0:  # a grammar that allows nothing here (not even an end): end the output
+            return self.eos
+        return int(within(j, ids))
+
+    def _only_eos(self, mask_row: np.ndarray) -> None:
+        mask_row[:] = 0
+        mask_row[self.eos >> 5] = np.uint32(1 << (self.eos & 31))
+
+    @staticmethod
+    def _accept(matcher: xgr.GrammarMatcher, token: int) -> None:
+        if not matcher.accept_token(token):
+            raise RuntimeError(f"bug: the grammar refused token {token}, which its own mask allowed")
+
+
+def masked_argmax(logits_row: torch.Tensor, ids: np.ndarray) -> int:
+    """The argmax of one position's logits over ``ids`` (ties: the lowest id, as torch's argmax)."""
+    idx = torch.from_numpy(ids)
+    return int(idx[torch.argmax(logits_row[idx])])
