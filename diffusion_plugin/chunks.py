@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from diffusion_plugin.request import FINISH_REASON, SeqStatus
+from diffusion_plugin.structured import ToolCallStream, tool_calls_from_text
 from diffusion_plugin.token_text import TextOffsets, token_bytes, token_string
 from tandem_core.errors import TandemError
 from tandem_core.protocol import DONE, Item
@@ -135,10 +136,16 @@ class ChoiceText:
 
 
 async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, request_id: str, model: str, tokenizer,
-                       n: int, stream: bool, include_usage: bool, top_logprobs: int | None) -> AsyncIterator[Item]:
+                       n: int, stream: bool, include_usage: bool, top_logprobs: int | None,
+                       structured=None) -> AsyncIterator[Item]:
     """Chat or completions output: SSE chunks then ``DONE`` (``stream``), or one response object.
-    A ``TandemError`` raised by ``events`` is yielded as the request's error (mid-stream too)."""
+    A ``TandemError`` raised by ``events`` is yielded as the request's error (mid-stream too).
+    ``structured`` (``diffusion_plugin.structured.Structured``) with a ``tool_mode``: the text is
+    the tool calls' JSON, answered as ``tool_calls`` (streamed as vLLM streams them), with
+    ``finish_reason`` "tool_calls" for "required" (and "stop" for a named function), as vLLM."""
     k = top_logprobs
+    tool_mode = structured.tool_mode if structured is not None else None
+    calls = [ToolCallStream(structured) for _ in range(n)] if tool_mode else None
     created = int(time.time())
     rid = ("chatcmpl-" if chat else "cmpl-") + request_id
     texts = [""] * n
@@ -148,6 +155,15 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
 
     def chunk(index, delta, finish=None, extra=None, logprobs=None) -> str:
         return sse(_chunk(rid, created, model, chat, index, delta, finish, extra, logprobs))
+
+    def content(index: int, text: str) -> dict:
+        if calls is None:
+            return {"content": text} if text else {}
+        entries = calls[index].add(text)
+        return {"tool_calls": entries} if entries else {}
+
+    def finish_reason(reason: str) -> str:
+        return "tool_calls" if tool_mode == "required" and reason == "stop" else reason
 
     try:
         if stream and chat:
@@ -162,15 +178,17 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
                     entries[ev.index].extend(ev.entries)
                 if stream:
                     lp = None if ev.entries is None else logprobs_object(tokenizer, ev.entries, k, chat)
-                    yield chunk(ev.index, {"content": ev.text}, logprobs=lp)
+                    delta = content(ev.index, ev.text)
+                    if delta or lp is not None:
+                        yield chunk(ev.index, delta, logprobs=lp)
             elif isinstance(ev, End):
                 texts[ev.index] += ev.text
-                finish[ev.index] = ev.finish_reason
+                finish[ev.index] = finish_reason(ev.finish_reason)
                 if ev.entries is not None:
                     entries[ev.index].extend(ev.entries)
                 if stream:
                     lp = None if not ev.entries else logprobs_object(tokenizer, ev.entries, k, chat)
-                    yield chunk(ev.index, {"content": ev.text} if ev.text else {}, finish=ev.finish_reason, logprobs=lp)
+                    yield chunk(ev.index, content(ev.index, ev.text), finish=finish[ev.index], logprobs=lp)
             else:
                 usage = {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
                          "total_tokens": ev.prompt_tokens + ev.completion_tokens}
@@ -189,7 +207,11 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
         return
     choices = []
     for i in range(n):
-        out = {"message": {"role": "assistant", "content": texts[i]}} if chat else {"text": texts[i]}
+        if tool_mode:
+            out = {"message": {"role": "assistant", "content": "",
+                               "tool_calls": tool_calls_from_text(texts[i], structured)}}
+        else:
+            out = {"message": {"role": "assistant", "content": texts[i]}} if chat else {"text": texts[i]}
         lp = None if k is None else logprobs_object(tokenizer, entries[i], k, chat)
         choices.append({"index": i, **out, "logprobs": lp, "finish_reason": finish[i]})
     yield {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -37,7 +38,8 @@ from diffusion_plugin.memory import (
 )
 from diffusion_plugin.request import SeqStatus
 from diffusion_plugin.scheduler import Scheduler
-from tandem_core.errors import ErrorKind, TandemError
+from diffusion_plugin.structured import Structured, resolve, wanted
+from tandem_core.errors import ErrorKind, TandemError, invalid
 from tandem_core.protocol import EngineInfo, EngineStats, Item
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,8 @@ class DiffusionEngine:
         self.loop: DiffusionLoop | None = None
         self.intake: Intake | None = None
         self._requests: dict[str, list[str]] = {}
+        self._compiler = None  # grammar.GrammarCompiler, made at the first structured output
+        self._compiler_lock = threading.Lock()
 
     async def start(self) -> EngineInfo:
         from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
@@ -136,19 +140,48 @@ class DiffusionEngine:
         try:
             if chat:
                 req = P.parse(P.ChatBody, body)
+                structured, grammar = await self.constraint(body, "chat")
                 sreq = await self.intake.chat(req)
             else:
                 req = P.parse(P.CompletionBody, body)
+                structured, grammar = await self.constraint(body, "completions")
                 sreq = await self.intake.completion(req)
+            sreq.grammar = grammar
         except TandemError as e:
             yield e
             return
         items = openai_items(self.generate(request_id, sreq), chat=chat, request_id=request_id, model=self.model,
                              tokenizer=self.adapter.tokenizer, n=sreq.n, stream=req.stream,
-                             include_usage=req.include_usage(), top_logprobs=sreq.logprobs)
+                             include_usage=req.include_usage(), top_logprobs=sreq.logprobs, structured=structured)
         async with aclosing(items):
             async for item in items:
                 yield item
+
+    async def constraint(self, body: dict, route: str) -> tuple[Structured | None, object | None]:
+        """The request's structured output (``diffusion_plugin.structured``) and its compiled
+        grammar, or (None, None). Raises ``TandemError`` (400) for what cannot be served."""
+        if not wanted(body):
+            return None, None
+        structured = await asyncio.to_thread(resolve, body, route)
+        if structured is None:
+            if body.get("tools") and body.get("tool_choice") in (None, "auto"):
+                raise invalid('"auto" tool choice needs the model\'s tool parser (engine_args.tool_call_parser), '
+                              'which this diffusion model has not set; use tool_choice "required", a named '
+                              'function or "none"', param="tool_choice")
+            return None, None
+        return structured, await asyncio.to_thread(self._compile, structured)
+
+    def _compile(self, structured: Structured):
+        from diffusion_plugin.grammar import GrammarCompiler
+
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self.adapter.tokenizer, self.adapter.vocab_size,
+                                                 self.adapter.eos_token_ids)
+        try:
+            return self._compiler.compile(structured.kind, structured.spec)
+        except Exception as e:  # noqa: BLE001 - xgrammar's refusal of the client's spec
+            raise invalid(f"{structured.param}: the grammar cannot be compiled: {e}", param=structured.param) from None
 
     async def generate(self, request_id: str, sreq: SeqRequest) -> AsyncGenerator[Event, None]:
         """The request's sequences run: yields ``Preview``, ``Delta`` and ``End`` per choice, then

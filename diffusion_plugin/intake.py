@@ -35,6 +35,7 @@ class SeqRequest:
     previews: bool = False
     logprobs: int | None = None  # None: none; k: each committed token's logprob and the top k
     ignore_eos: bool = False  # blocks go on past EOS until max_tokens (EOS is then an ordinary token)
+    grammar: object | None = None  # a structured output's compiled grammar (``diffusion_plugin.grammar``)
 
     def sequences(self, request_id: str, eos_token_ids: tuple[int, ...]) -> list[Sequence]:
         """Choice i is ``<request_id>-<i>`` with seed + i."""
@@ -44,7 +45,7 @@ class SeqRequest:
         return [Sequence(seq_id=f"{request_id}-{i}", prompt_ids=list(self.prompt_ids),
                          params=SamplingParams(max_tokens=self.max_tokens, seed=seed + i, eos_token_ids=eos_token_ids,
                                                previews=self.previews, logprobs=self.logprobs, **knobs),
-                         images=self.images)
+                         images=self.images, grammar=self.grammar)
                 for i in range(self.n)]
 
 
@@ -74,7 +75,7 @@ class Intake:
         images = None
         if messages is not None:
             messages, images = await self._images(messages)
-            prompt_ids = self._prompt_ids(messages, None)
+            prompt_ids = self._prompt_ids(messages, None, getattr(req, "tools", None))
         else:
             prompt_ids = self._prompt_ids(None, req.prompt)
         if images is not None:
@@ -88,12 +89,12 @@ class Intake:
         return SeqRequest(prompt_ids, images, knobs, max_tokens, n, stops, req.diffusion.previews and req.stream,
                           logprobs, ignore_eos=getattr(req, "ignore_eos", False))
 
-    def _prompt_ids(self, messages: list | None, prompt: str | None) -> list[int]:
+    def _prompt_ids(self, messages: list | None, prompt: str | None, tools: list | None = None) -> list[int]:
         tok = self.adapter.tokenizer
         if messages is not None:
-            try:
-                return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False)
+            try:  # tools go to the chat template, as vLLM gives them (whatever the tool_choice)
+                return tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
             except Exception as e:  # noqa: BLE001 - a malformed message is the client's error
                 raise invalid(f"messages: cannot apply the chat template: {e}", param="messages") from None
         return tok(prompt).input_ids

@@ -17,14 +17,21 @@ Honoured (chat, completions; Responses in ``diffusion_plugin.responses``):
   logprob equals the first of its ``top_logprobs``); ``top_logprobs`` are the k most probable
   tokens of that distribution at its position. In the fast sampler probabilities below e^-87
   of the top token's are clamped there (never the top ones of any sensible k);
+- structured outputs (``diffusion_plugin.structured``, ``diffusion_plugin.grammar``):
+  ``response_format`` (``json_schema``, ``json_object``, ``text``) and vLLM's
+  ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``structural_tag``);
+  chat's ``tools`` with ``tool_choice`` ``"required"`` or a named function (the output is the
+  tool calls, constrained to vLLM's tool-call schema), ``"none"`` (tools given to the chat
+  template), and ``parallel_tool_calls``; ``tool_choice: "auto"`` with tools needs the model's
+  tool parser (``engine_args.tool_call_parser``), else a 400 as on ``vllm serve``;
 - accepted and recorded nowhere (they change no output): ``user``, ``metadata``,
-  ``store: false``, ``service_tier: "auto"``, ``parallel_tool_calls`` without tools.
+  ``store: false``, ``service_tier: "auto"``.
 
 Refused (400, ``param`` = the field) unless given its neutral value (or null): ``top_p`` (1),
 ``top_k`` (-1 or 0), ``min_p`` (0), ``frequency_penalty`` / ``presence_penalty`` (0),
 ``repetition_penalty`` (1), ``logit_bias`` ({}), ``min_tokens`` (0), ``best_of`` (1), ``echo``
-(false), ``suffix`` (""), ``response_format`` ({"type": "text"}), ``tools`` / ``functions`` ([]),
-``tool_choice`` / ``function_call`` ("none"), ``store`` (false), ``prediction``, ``audio``,
+(false), ``suffix`` (""), ``functions`` ([]), ``function_call`` ("none"), ``store`` (false),
+``prediction``, ``audio``,
 ``modalities`` (["text"]), ``reasoning_effort``, ``web_search_options``; and any other field.
 
 Determinism: ``temperature: 0`` without a ``seed`` uses seed ``GREEDY_SEED`` (0), so the same
@@ -50,9 +57,8 @@ HARMLESS = frozenset({"user", "metadata"})
 NEUTRAL: dict[str, tuple] = {
     "top_p": (1, 1.0), "top_k": (-1, 0), "min_p": (0,), "frequency_penalty": (0,), "presence_penalty": (0,),
     "repetition_penalty": (1,), "logit_bias": ({},), "min_tokens": (0,), "best_of": (1,), "echo": (False,),
-    "suffix": ("",), "response_format": ({"type": "text"},), "tools": ([],), "functions": ([],),
-    "tool_choice": ("none",), "function_call": ("none",), "store": (False,), "service_tier": ("auto",),
-    "parallel_tool_calls": (True, False), "modalities": (["text"],), "prediction": (), "audio": (),
+    "suffix": ("",), "functions": ([],), "function_call": ("none",), "store": (False,), "service_tier": ("auto",),
+    "modalities": (["text"],), "prediction": (), "audio": (),
     "reasoning_effort": (), "web_search_options": (),
 }
 
@@ -128,6 +134,9 @@ class _Base(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     ignore_eos: bool = False
+    # Structured outputs (``diffusion_plugin.structured`` reads them with vLLM's request models).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     diffusion: DiffusionKnobs = Field(default_factory=DiffusionKnobs)
 
     @field_validator("stop")
@@ -154,6 +163,9 @@ class _Base(BaseModel):
 
 class ChatBody(_Base):
     messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
