@@ -61,21 +61,22 @@ class Intake:
     # -- the generation routes --------------------------------------------------------------
     async def chat(self, req: P.ChatBody) -> SeqRequest:
         return await self._prepare(req, req.messages, "messages", "max_tokens", req.output_limit(), req.n,
-                                   req.stops(), req.top_logprobs_k())
+                                   req.stops(), req.top_logprobs_k(), req.tools)
 
     async def completion(self, req: P.CompletionBody) -> SeqRequest:
         return await self._prepare(req, None, "prompt", "max_tokens", req.output_limit(), req.n, req.stops(),
                                    req.top_logprobs_k())
 
-    async def responses(self, req, messages: list) -> SeqRequest:
-        return await self._prepare(req, messages, "input", "max_output_tokens", req.max_output_tokens, 1, [], None)
+    async def responses(self, req, messages: list, tools: list | None = None) -> SeqRequest:
+        return await self._prepare(req, messages, "input", "max_output_tokens", req.max_output_tokens, 1, [], None,
+                                   tools)
 
     async def _prepare(self, req, messages: list | None, field: str, limit_field: str, max_tokens: int | None,
-                       n: int, stops: list[str], logprobs: int | None) -> SeqRequest:
+                       n: int, stops: list[str], logprobs: int | None, tools: list | None = None) -> SeqRequest:
         images = None
         if messages is not None:
             messages, images = await self._images(messages)
-            prompt_ids = self._prompt_ids(messages, None, getattr(req, "tools", None))
+            prompt_ids = self._prompt_ids(messages, None, tools)
         else:
             prompt_ids = self._prompt_ids(None, req.prompt)
         if images is not None:

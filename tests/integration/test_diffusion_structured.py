@@ -137,3 +137,70 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(stack):
                                   extra_body={"structured_outputs": {"regex": "(unclosed"}})
     assert e.value.body["param"] == "structured_outputs"
     assert c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, extra_body=FAST).choices  # serving on
+
+
+# -- the Responses API ------------------------------------------------------------------------------
+
+RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def test_responses_text_format_gives_valid_json(stack):
+    schema = SCHEMAS[7]
+    fmt = {"format": {"type": "json_schema", "name": "user", "schema": schema, "strict": True}}
+    c = stack.client()
+    r = c.responses.create(model=MODEL, input="A user:", max_output_tokens=400, text=fmt, extra_body=FAST)
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), schema)
+    events = list(c.responses.create(model=MODEL, input="A user:", max_output_tokens=400, text=fmt, extra_body=FAST,
+                                     stream=True))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    jsonschema.validate(json.loads(streamed), schema)
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == streamed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_required_tool_choice_gives_function_calls(stack, stream):
+    c = stack.client()
+    kw = {"model": MODEL, "input": "Weather in Paris?", "tools": RESPONSE_TOOLS, "tool_choice": "required",
+          "max_output_tokens": 600, "extra_body": FAST}
+    if not stream:
+        r = c.responses.create(**kw)
+    else:
+        events = list(c.responses.create(stream=True, **kw))
+        added = [e for e in events if e.type == "response.output_item.added"]
+        assert added and all(e.item.type == "function_call" and e.item.name and e.item.call_id for e in added)
+        args = {}
+        for e in events:
+            if e.type == "response.function_call_arguments.delta":
+                args[e.output_index] = args.get(e.output_index, "") + e.delta
+        done = {e.output_index: e.arguments for e in events if e.type == "response.function_call_arguments.done"}
+        assert done == args
+        assert events[-1].type == "response.completed"
+        r = events[-1].response
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls and len(calls) == len(r.output)
+    for call in calls:
+        assert call.call_id and call.name in PARAMS and call.status == "completed"
+        jsonschema.validate(json.loads(call.arguments), PARAMS[call.name])
+
+
+def test_responses_follow_up_turn_with_the_function_output(stack):
+    c = stack.client()
+    first = c.responses.create(model=MODEL, input="Weather in Paris?", tools=RESPONSE_TOOLS,
+                               tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=300,
+                               extra_body=FAST)
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    follow = c.responses.create(
+        model=MODEL, tools=RESPONSE_TOOLS, tool_choice="none", max_output_tokens=24, extra_body=FAST,
+        input=[{"role": "user", "content": "Weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'}])
+    assert follow.status in ("completed", "incomplete") and follow.output[0].type == "message"
+    assert follow.usage.input_tokens > first.usage.input_tokens  # the call and its output are in the prompt
+
+
+def test_responses_auto_tool_choice_needs_a_tool_parser(stack):
+    with pytest.raises(openai.BadRequestError) as e:
+        stack.client().responses.create(model=MODEL, input="hi", tools=RESPONSE_TOOLS, max_output_tokens=8)
+    assert e.value.body["param"] == "tool_choice"

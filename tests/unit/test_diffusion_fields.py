@@ -82,8 +82,7 @@ def test_temperatures_too_small_for_float32_are_refused_or_floored():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "name": "f"}]), ("store", True), ("previous_response_id", "resp_1"),
-    ("reasoning", {"effort": "low"}), ("text", {"format": {"type": "json_object"}}), ("background", True),
+    ("store", True), ("previous_response_id", "resp_1"), ("reasoning", {"effort": "low"}), ("background", True),
     ("top_p", 0.5), ("top_logprobs", 2), ("include", ["message.output_text.logprobs"]), ("conversation", "c"),
 ])
 def test_responses_refuses_what_it_does_not_implement(field, value):
@@ -96,6 +95,16 @@ def test_responses_input_to_messages():
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}, RESPONSES_NEUTRAL)
     assert to_messages(req) == [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "d"},
                                 {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    calls = P.parse(ResponsesBody, {"model": "m", "input": [
+        {"role": "user", "content": "weather?"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"a\": 1}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]}, RESPONSES_NEUTRAL)
+    assert to_messages(calls)[1:] == [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{\"a\": 1}"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
     bad = P.parse(ResponsesBody, {"model": "m", "input": [{"type": "function_call_output", "output": "x"}]},
                   RESPONSES_NEUTRAL)
     with pytest.raises(TandemError) as e:

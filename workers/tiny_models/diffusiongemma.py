@@ -37,13 +37,21 @@ from workers.tiny_models.llama import SPECIAL_TOKENS, build_tokenizer
 EXTRA_SPECIAL_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 PATCH_SIZE, POOLING_KERNEL, MAX_SOFT_TOKENS = 4, 2, 70
 # ChatML, with image parts rendered as the image placeholder the processor expands.
+# ChatML with image parts, tools (a system turn listing them as JSON), assistant tool calls
+# (``<tool_call>{"name", "arguments"}</tool_call>``) and tool results (role ``tool``), so that a
+# conversation with function calls (chat or Responses) renders.
 CHAT_TEMPLATE_WITH_IMAGES = (
+    "{% if tools %}{{ '<|im_start|>system\n# Tools\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}"
     "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
+    "{% elif message['content'] %}{% for part in message['content'] %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}{% elif part['type'] == 'image' %}{{ '<image_soft_token>' }}"
     "{% endif %}{% endfor %}{% endif %}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>' }}{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "{{ '</tool_call>' }}{% endfor %}{% endif %}"
     "{{ '<|im_end|>\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
