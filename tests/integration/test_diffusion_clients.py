@@ -1,0 +1,82 @@
+"""Real client libraries, as shipped and with their defaults, against the diffusion model:
+LangChain's ``with_structured_output`` (json_schema and function_calling), instructor (TOOLS and
+JSON_SCHEMA) and the OpenAI Agents SDK (a function tool with ``tool_choice="required"``, on its
+chat and its Responses models) all get valid structured results from a random model, because the
+grammar constrains its canvas. Only the diffusion knob that keeps CPU tests short is added."""
+
+import asyncio
+import json
+from typing import Annotated
+
+import pytest
+from pydantic import BaseModel, Field
+
+MODEL = "tiny-diffusiongemma"
+FAST = {"diffusion": {"max_denoising_steps": 4}}
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=10)
+    age: int = Field(ge=0, le=120)
+    member: bool
+
+
+def _check(person) -> None:
+    assert isinstance(person, Person), person
+    assert len(person.name) <= 10 and 0 <= person.age <= 120
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output(stack, method):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=stack.url + "/v1", api_key="unused", max_tokens=400, extra_body=FAST)
+    _check(llm.with_structured_output(Person, method=method).invoke("Describe a person."))
+
+
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
+def test_instructor(stack, mode):
+    import instructor
+    from openai import OpenAI
+
+    client = instructor.from_openai(OpenAI(base_url=stack.url + "/v1", api_key="unused"),
+                                    mode=getattr(instructor.Mode, mode))
+    _check(client.chat.completions.create(model=MODEL, response_model=Person, max_tokens=400, extra_body=FAST,
+                                          messages=[{"role": "user", "content": "Describe a person."}]))
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_openai_agents_sdk_calls_a_function_tool(stack, api):
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # the SDK would export traces to OpenAI
+    calls = []
+
+    @function_tool  # bounded arguments, so that any model ends the call
+    def get_weather(city: Annotated[str, Field(max_length=12)], days: Annotated[int, Field(ge=1, le=7)]) -> str:
+        """The weather in a city for the next days."""
+        calls.append((city, days))
+        return f"sunny in {city} for {days} days"
+
+    client = AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused")
+    model = (OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel)(model=MODEL, openai_client=client)
+    agent = Agent(name="weather", instructions="Use the tool.", tools=[get_weather], model=model,
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=300,
+                                               extra_body=FAST),
+                  tool_use_behavior="stop_on_first_tool")
+
+    result = asyncio.run(Runner.run(agent, "Weather in Paris?", max_turns=2))
+    assert len(calls) >= 1, result
+    city, days = calls[0]
+    assert isinstance(city, str) and len(city) <= 12 and isinstance(days, int) and 1 <= days <= 7
+    assert result.final_output == f"sunny in {city} for {days} days"
+    assert json.dumps(result.final_output)
