@@ -1,10 +1,13 @@
-"""Logprobs of committed tokens whose characters are split across tokens and across blocks: the
-streamed answer's logprobs, joined, equal the whole answer's (completions and chat), and a
-token's string, bytes and offset are what ``diffusion_plugin.token_text`` says.
+"""A scripted runner commits a chosen token sequence a canvas at a time (the tiny models' real
+byte-level tokenizer), so the inputs are built, not sampled:
 
-The inputs are built, not sampled: a scripted runner commits a chosen token sequence (the tiny
-models' real byte-level tokenizer, where ``Ѣ`` and ``€`` are several tokens each) a canvas at a
-time, shifted so that split characters fall inside a block and across a block boundary."""
+- logprobs of committed tokens whose characters are split across tokens and across blocks: the
+  streamed answer's logprobs, joined, equal the whole answer's (completions and chat), and a
+  token's string, bytes and offset are what ``diffusion_plugin.token_text`` says (``Ѣ`` and
+  ``€`` are several tokens each; the script is shifted so split characters fall inside a block
+  and across a block boundary);
+- tool calls streamed from blocks that hold several call boundaries or half of one.
+"""
 
 import asyncio
 import json
@@ -36,6 +39,7 @@ class Adapter:
 
     def __init__(self, tok):
         self.tokenizer = tok
+        self.vocab_size = len(tok)
         self.eos_token_ids = (tok.convert_tokens_to_ids("<|im_end|>"),)
 
     def defaults(self):
@@ -170,3 +174,42 @@ def test_offsets_are_a_function_of_the_tokens_before(tok, ids):
     special = set(tok.all_special_ids)
     joined = bytes(b for t in ids if t not in special for b in token_bytes(tok, t))
     assert joined.decode("utf-8", errors="replace") == tok.decode(ids, skip_special_tokens=True)
+
+
+# -- tool calls streamed from committed blocks (the same scripted runner) --------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"tz": {"type": "string"}}}}}]
+CALLS = ('[{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}, '
+         '{"name": "get_time", "parameters": {"tz": "UTC"}}, {"name": "get_time", "parameters": {"tz": "JST"}}]')
+
+
+@pytest.mark.parametrize("shift", range(CANVAS))
+def test_streamed_tool_calls_across_blocks_equal_the_whole_answers(tok, shift):
+    """Blocks of 4 tokens over a 3-call array: some blocks hold several call boundaries, others
+    cut a boundary in two; whatever the cut, each call's first delta names it (id, type,
+    function.name), the joined arguments are its arguments, and the stream equals the whole."""
+    script = tok(" " * shift + CALLS, add_special_tokens=False).input_ids
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    body = {"model": "m", "messages": [{"role": "user", "content": "p"}], "tools": TOOLS, "tool_choice": "required",
+            "max_tokens": len(script) + 1, "seed": 1}
+    (whole,), streamed = serve(tok, script + [eos], [("chat", body), ("chat", {**body, "stream": True})])
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == ""
+    expected = [(c["name"], c["parameters"]) for c in json.loads(CALLS)]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]] \
+        == expected
+    calls, finish = {}, None
+    for payload in payloads(streamed):
+        for ch in payload["choices"]:
+            assert not ch["delta"].get("content")
+            for entry in ch["delta"].get("tool_calls", []):
+                if entry["index"] not in calls:
+                    assert entry["id"] and entry["type"] == "function" and entry["function"]["name"], entry
+                    calls[entry["index"]] = [entry["function"]["name"], ""]
+                calls[entry["index"]][1] += entry["function"].get("arguments") or ""
+            finish = ch["finish_reason"] or finish
+    assert [(name, json.loads(args)) for _, (name, args) in sorted(calls.items())] == expected
+    assert finish == "tool_calls"
