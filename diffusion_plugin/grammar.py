@@ -82,11 +82,22 @@ _LOOSE_CHARS = '[^\\"\\\\\\r\\n]'
 _STRICT_CHARS = '[^\\0-\\x1f\\"\\\\\\r\\n]'
 
 
+_BITS = np.arange(32, dtype=np.int64)
+
+
 def allowed_ids(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:
-    """The token ids a bitmask row (uint32 words) allows."""
-    bits = np.unpackbits(mask_row.view(np.uint8), bitorder="little")
-    ids = np.flatnonzero(bits)
+    """The token ids a bitmask row (uint32 words) allows: the set words first (a mask inside a
+    JSON structure has a few of its 8,192 words set at the real vocabulary), then their bits."""
+    words = np.flatnonzero(mask_row)
+    bits = np.unpackbits(mask_row[words].view(np.uint8), bitorder="little").reshape(len(words), 32).astype(bool)
+    ids = (words[:, None] * 32 + _BITS)[bits]
     return ids[ids < vocab_size]
+
+
+def refused(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(positions, words) int32 bitmasks -> (positions, vocab_size) bool, True where refused."""
+    flipped = np.invert(masks.numpy().view(np.uint8))
+    return torch.from_numpy(np.unpackbits(flipped, axis=-1, bitorder="little")[:, :vocab_size]).view(torch.bool)
 
 
 class RowGrammar:
@@ -125,21 +136,23 @@ class RowGrammar:
             else:
                 m.fill_next_token_bitmask(self.masks, j)
                 a = cand_a if self._allows(self._masks[j], cand_a) else self._pick(argmax_in, j, self._masks[j])
+            fork_took = False  # whether the fork has already taken this position's token
             if fork is None:  # the sampled canvas is still the argmax canvas: same state, same mask
                 s = self.eos if ended_a else (
                     cand_s if self._allows(self._masks[j], cand_s) else self._pick(sample_in, j, self._masks[j]))
                 if s != a:
                     fork = m.fork()
             elif fork.is_terminated():
-                s = self.eos
+                s, fork_took = self.eos, True
+            elif fork.accept_token(cand_s):  # allowed (the sampled canvas needs no mask of its own)
+                s, fork_took = cand_s, True
             else:
                 fork.fill_next_token_bitmask(self._fork_mask, 0)
-                s = cand_s if self._allows(self._fork_masks[0], cand_s) else \
-                    self._pick(sample_in, j, self._fork_masks[0])
+                s = self._pick(sample_in, j, self._fork_masks[0])
             if not ended_a:
                 self._accept(m, a)
                 self._accepted += 1
-            if fork is not None and not fork.is_terminated():
+            if fork is not None and not fork_took and not fork.is_terminated():
                 self._accept(fork, s)
             out_a.append(a)
             out_s.append(s)

@@ -42,11 +42,11 @@ PUNCT = list('{}[]:,"0123456789 .-_\\/\n\t') + ["true", "false", "null", '":', '
 
 
 def synthetic_vocab(size: int, eos: int, seed: int = 0) -> list[str]:
-    """``size`` token strings shaped like a large subword vocabulary: JSON's punctuation and
-    digits, then lowercase pieces of 1-10 letters, half with a leading space, some capitalised;
-    ``eos`` is a special token (no text)."""
+    """``size`` token strings shaped like a large subword vocabulary: 16 reserved ids (the model's
+    special tokens: ``eos`` among them), JSON's punctuation and digits, then lowercase pieces of
+    1-10 letters, half with a leading space, some capitalised."""
     rng = random.Random(seed)
-    vocab = list(PUNCT)
+    vocab = [f"<reserved_{i}>" for i in range(16)] + list(PUNCT)  # the model's special ids come first
     while len(vocab) < size:
         piece = "".join(rng.choice(LETTERS) for _ in range(rng.randint(1, 10)))
         if rng.random() < 0.2:
