@@ -47,9 +47,11 @@ class GrammarCompiler:
     """xgrammar's compiler over one model's tokenizer: built once per engine, compiled grammars
     cached by xgrammar. ``compile(kind, spec)`` takes vLLM's structured-output kinds."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=list(eos_token_ids))
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], info=None):
+        """``info``: an ``xgr.TokenizerInfo`` to use instead of the tokenizer's (benchmarks)."""
+        if info is None:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                      stop_token_ids=list(eos_token_ids))
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
         self.vocab_size = vocab_size
 

@@ -58,14 +58,15 @@ def synthetic_vocab(size: int, eos: int, seed: int = 0) -> list[str]:
 
 
 def compile_schema(vocab: list[str], eos: int):
+    """The schema compiled as the engine compiles one (``GrammarCompiler``), over ``vocab``."""
     import xgrammar as xgr
 
-    from diffusion_plugin.grammar import WHITESPACE
+    from diffusion_plugin.grammar import GrammarCompiler
 
     info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[eos])
-    compiler = xgr.GrammarCompiler(info, max_threads=1)
+    compiler = GrammarCompiler(None, len(vocab), (eos,), info=info)
     t0 = time.perf_counter()
-    grammar = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=True, max_whitespace_cnt=WHITESPACE)
+    grammar = compiler.compile("json", json.dumps(SCHEMA))
     return grammar, time.perf_counter() - t0
 
 
