@@ -38,7 +38,7 @@ from diffusion_plugin.memory import (
 )
 from diffusion_plugin.request import SeqStatus
 from diffusion_plugin.scheduler import Scheduler
-from diffusion_plugin.structured import Structured, resolve, wanted
+from diffusion_plugin.structured import Structured, resolve, wanted, warm_structured
 from tandem_core.errors import ErrorKind, TandemError, invalid
 from tandem_core.protocol import EngineInfo, EngineStats, Item
 
@@ -80,6 +80,9 @@ class DiffusionEngine:
         # device: its planned pages per layer group).
         runner = Runner(adapter, self.sampler, chunk_rows=self._chunk_rows(), kv_budget_bytes=memory.budget_bytes,
                         kv_groups=memory.groups)
+        # vLLM's request models and xgrammar (structured outputs) take seconds to import: at
+        # start, not in the first constrained request's time.
+        await asyncio.to_thread(warm_structured)
         return self.start_with(adapter, runner, memory)
 
     def start_with(self, adapter, runner, memory: MemoryBudget | None) -> EngineInfo:

@@ -41,6 +41,15 @@ class Structured:
     tool_name: str | None = None  # named: the function
 
 
+def warm_structured() -> None:
+    """Import what ``resolve`` and the grammar use (seconds: vLLM imports torch and more)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest  # noqa: F401
+    from vllm.tool_parsers.utils import get_json_schema_from_tools  # noqa: F401
+    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar  # noqa: F401
+
+    import diffusion_plugin.grammar  # noqa: F401
+
+
 def wanted(body: dict) -> bool:
     """Whether ``body`` may carry a constraint (cheap: no vLLM import otherwise)."""
     return any(body.get(f) not in (None, [], {}) for f in _FIELDS)
