@@ -34,7 +34,7 @@ def test_a_flood_of_long_prompts_waits_for_memory_and_all_finish():
             n_long = len(engine.adapter.tokenizer(long_prompt).input_ids)
             need = engine.memory.need(n_long, 8)
             engine.memory.budget_bytes = int(2.5 * need)  # two at a time (the scheduler holds this object)
-            body = {"model": "shape", "prompt": long_prompt, "max_tokens": 8, "seed": 1,
+            body = {"model": "shape", "prompt": long_prompt, "max_tokens": 8, "seed": 1, "ignore_eos": True,
                     "diffusion": {"max_denoising_steps": 1}}
             huge = {**body, "prompt": long_prompt * 8}
             peak, waited = 0, 0
