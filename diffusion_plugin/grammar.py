@@ -119,10 +119,6 @@ class RowGrammar:
         self._fork_masks = self._fork_mask.numpy().view(np.uint32)
         self._accepted = 0  # tokens the matcher took in this step's pass: rolled back unless committed
 
-    @property
-    def ended(self) -> bool:
-        return self.matcher.is_terminated()
-
     def draft(self, argmax: list[int], sampled: list[int], argmax_in: Callable[[int, np.ndarray], int],
               sample_in: Callable[[int, np.ndarray], int]) -> tuple[list[int], list[int]]:
         """This step's (argmax canvas, sampled canvas) under the grammar, from the unconstrained

@@ -94,8 +94,8 @@ def exact_row_constrained(model, hidden: torch.Tensor, p: SamplingParams, steps_
     argmax_u = torch.argmax(processed, dim=-1)
     a, s = grammar.draft(argmax_u[0].tolist(), sampled_u[0].tolist(),
                          lambda j, ids: masked_argmax(processed[0, j], ids),
-                         lambda j, ids: masked_argmax(ratio[0, j], ids))  # noqa: F821 - deleted after
-    ratio = None
+                         lambda j, ids: masked_argmax(ratio[0, j], ids))
+    ratio = None  # freed before the masked pass below (one canvas x vocabulary buffer fewer)
     xgr_apply(processed[0], grammar.masks)
     argmax = torch.tensor([a], dtype=argmax_u.dtype, device=argmax_u.device)
     sampled = torch.tensor([s], dtype=sampled_u.dtype, device=sampled_u.device)
