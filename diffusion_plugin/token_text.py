@@ -44,7 +44,6 @@ def _byte_decoder() -> dict[str, int]:
     return chars
 
 
-@functools.lru_cache(maxsize=8)  # per tokenizer, not per token
 def _decoder_kind(tok) -> str:
     backend = getattr(tok, "backend_tokenizer", None)
     described = repr(getattr(backend, "decoder", None))

@@ -3,6 +3,8 @@ tiny diffusion model, behind `tandem serve` (``tests/integration/stack.py``)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from tests.integration.stack import ENGINE_ARGS, REPO, Stack, running_stack
@@ -31,3 +33,13 @@ def stack(tmp_path_factory) -> Stack:
     }
     with running_stack(config, tmp) as s:
         yield s
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_before_each_module():
+    """Collect garbage before a module's tests fork anything (Ray, servers): an in-process engine
+    an earlier test left to the collector still holds its lazily allocated KV pool, and with the
+    kernel's heuristic overcommit a fork of a process with that much address space can fail with
+    ENOMEM (seen once: test_faults' ray.init)."""
+    gc.collect()
+
