@@ -41,21 +41,25 @@ class Entry(NamedTuple):
 
 @dataclass
 class Delta:
-    """A committed block's new text; ``entries``: an ``Entry`` per token kept, or None."""
+    """A committed block's new text; ``entries``: an ``Entry`` per token kept, or None; ``ids``: the
+    tokens of exactly that text, when a parser reads it (``ChoiceText`` raw mode), else None."""
 
     index: int
     text: str
     entries: list | None = None
+    ids: list | None = None
 
 
 @dataclass
 class End:
-    """A choice ended: its last text and logprob entries (held back until now), its finish_reason."""
+    """A choice ended: its last text and logprob entries (held back until now), its finish_reason
+    (and, raw mode, the ids of that text)."""
 
     index: int
     text: str
     finish_reason: str
     entries: list | None = None
+    ids: list | None = None
 
 
 @dataclass
@@ -69,15 +73,31 @@ class Usage:
 Event = Preview | Delta | End | Usage
 
 
-class ChoiceText:
-    """Incremental text of one sequence: deltas, stop strings, previews."""
+class Released(NamedTuple):
+    """What ``ChoiceText.add`` releases: new text, whether a stop string ended the choice, the
+    logprob entries of the tokens kept (None without logprobs) and, raw mode, those tokens' ids."""
 
-    def __init__(self, tokenizer, stops: list[str]):
+    text: str
+    stopped: bool
+    entries: list | None
+    ids: list | None
+
+
+class ChoiceText:
+    """Incremental text of one sequence: deltas, stop strings, previews.
+
+    ``raw`` (a parser reads the text, ``diffusion_plugin.parsing``): the text keeps special tokens
+    (as vLLM's parsers set ``skip_special_tokens=False``) and only whole tokens are released,
+    each delta with the ids of exactly its tokens, so the parser's text and ids agree."""
+
+    def __init__(self, tokenizer, stops: list[str], raw: bool = False):
         self.tok = tokenizer
         self.stops = stops
+        self.raw = raw
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0
+        self.fed = 0  # raw mode: the tokens released
         self.stopped = False
         self.offsets = TextOffsets(tokenizer)
         self.held: list[Entry] = []  # logprob entries of tokens whose text is held back
@@ -86,13 +106,13 @@ class ChoiceText:
     def num_tokens(self) -> int:
         return len(self.ids)
 
-    def add(self, new_ids: list[int], logprobs: list | None = None) -> tuple[str, bool, list[Entry] | None]:
+    def add(self, new_ids: list[int], logprobs: list | None = None) -> Released:
         """The new text, whether a stop string ended it, and the logprob entries of the tokens
         kept (a stop string drops those whose text starts at or after it)."""
         if self.stopped:
-            return "", True, [] if logprobs is not None else None
+            return Released("", True, [] if logprobs is not None else None, [] if self.raw else None)
         self.ids.extend(new_ids)
-        self.text = self.tok.decode(self.ids, skip_special_tokens=True)
+        self.text = self.tok.decode(self.ids, skip_special_tokens=not self.raw)
         for stop in self.stops:
             at = self.text.find(stop)
             if at != -1:
@@ -102,19 +122,48 @@ class ChoiceText:
         # a tail that may be the start of a stop string the next block completes (sent text
         # cannot be taken back); ``flush`` sends what is held when the sequence ends.
         safe = len(self.text) if self.stopped else len(self.text.rstrip("\ufffd")) - self._stop_prefix()
+        ids = None
+        if self.raw:
+            safe, ids = self._whole_tokens(safe)
         delta, self.sent = self.text[self.sent:safe], max(self.sent, safe)
         if logprobs is None:
-            return delta, self.stopped, None
+            return Released(delta, self.stopped, None, ids)
+        self.held += [Entry(t, lp, top, self.offsets.push(t)) for t, (lp, top) in zip(new_ids, logprobs, strict=True)]
+        if self.raw:  # entries go with their tokens
+            entries, self.held = self.held[:len(ids)], self.held[len(ids):]
+            if self.stopped:
+                self.held = []
+            return Released(delta, self.stopped, entries, ids)
         # A token's entry goes with its text: held while the text where it starts is held, dropped
         # if a stop string cuts before it. Offsets depend on the tokens before only, so a stream
         # and a whole answer carry the same entries whatever the blocks.
-        self.held += [Entry(t, lp, top, self.offsets.push(t)) for t, (lp, top) in zip(new_ids, logprobs, strict=True)]
         if self.stopped:
             entries, self.held = [e for e in self.held if e.offset < len(self.text)], []
         else:
             entries = [e for e in self.held if e.offset < self.sent]
             self.held = self.held[len(entries):]
-        return delta, self.stopped, entries
+        return Released(delta, self.stopped, entries, None)
+
+    def _whole_tokens(self, safe: int) -> tuple[int, list[int]]:
+        """Raw mode: the text end and the ids to release now: the most tokens whose text is
+        complete and within ``safe`` (a stop string's cut: the tokens up to the one it falls in)."""
+        n = len(self.ids)
+        if self.stopped:
+            k = self.fed
+            while k < n and len(self.tok.decode(self.ids[:k], skip_special_tokens=False)) < safe:
+                k += 1
+        else:
+            k = n
+            while k > self.fed:
+                text = self.tok.decode(self.ids[:k], skip_special_tokens=False)
+                if len(text) <= safe and not text.endswith("\ufffd"):
+                    safe = len(text)
+                    break
+                k -= 1
+            else:
+                safe = self.sent
+        ids, self.fed = self.ids[self.fed:k], k
+        return max(safe, self.sent), ids
 
     def _stop_prefix(self) -> int:
         """The length of the longest tail of the text that begins some stop string."""
@@ -122,14 +171,18 @@ class ChoiceText:
         return max((k for stop in self.stops for k in range(min(len(stop) - 1, len(text)), 0, -1)
                     if text.endswith(stop[:k])), default=0)
 
-    def flush(self) -> tuple[str, list[Entry]]:
-        """What was held back, sent when the sequence ends: its text and logprob entries."""
+    def flush(self) -> Released:
+        """What was held back, sent when the sequence ends: its text, logprob entries and, raw
+        mode, the ids not yet released."""
         delta, self.sent = self.text[self.sent:], len(self.text)
         entries, self.held = self.held, []
-        return delta, entries
+        ids = None
+        if self.raw:
+            ids, self.fed = ([] if self.stopped else self.ids[self.fed:]), len(self.ids)
+        return Released(delta, self.stopped, entries, ids)
 
     def preview(self, canvas_ids: list[int]) -> str:
-        return self.tok.decode(canvas_ids, skip_special_tokens=True)
+        return self.tok.decode(canvas_ids, skip_special_tokens=not self.raw)
 
     def finish_reason(self, status: SeqStatus) -> str:
         return "stop" if self.stopped else FINISH_REASON.get(status, "stop")
@@ -137,18 +190,22 @@ class ChoiceText:
 
 async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, request_id: str, model: str, tokenizer,
                        n: int, stream: bool, include_usage: bool, top_logprobs: int | None,
-                       structured=None) -> AsyncIterator[Item]:
+                       structured=None, parsing=None) -> AsyncIterator[Item]:
     """Chat or completions output: SSE chunks then ``DONE`` (``stream``), or one response object.
     A ``TandemError`` raised by ``events`` is yielded as the request's error (mid-stream too).
     ``structured`` (``diffusion_plugin.structured.Structured``) with a ``tool_mode``: the text is
     the tool calls' JSON, answered as ``tool_calls`` (streamed as vLLM streams them), with
-    ``finish_reason`` "tool_calls" for "required" (and "stop" for a named function), as vLLM."""
+    ``finish_reason`` "tool_calls" for "required" (and "stop" for a named function), as vLLM.
+    ``parsing`` (``diffusion_plugin.parsing.Parsing``): the model's parsers read each choice's
+    text (``content``, ``reasoning``, ``tool_calls``; "tool_calls" ends a choice that called one)."""
     k = top_logprobs
     tool_mode = structured.tool_mode if structured is not None else None
     calls = [ToolCallStream(structured) for _ in range(n)] if tool_mode else None
+    parsers = [parsing.choice() for _ in range(n)] if parsing is not None else None
     created = int(time.time())
     rid = ("chatcmpl-" if chat else "cmpl-") + request_id
     texts = [""] * n
+    ids: list[list[int]] = [[] for _ in range(n)]
     entries: list[list] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     usage = None
@@ -156,14 +213,17 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
     def chunk(index, delta, finish=None, extra=None, logprobs=None) -> str:
         return sse(_chunk(rid, created, model, chat, index, delta, finish, extra, logprobs))
 
-    def content(index: int, text: str) -> dict:
+    def content(ev: Delta | End) -> dict:
+        if parsers is not None:
+            return parsers[ev.index].add(ev.text, ev.ids or [], finished=isinstance(ev, End))
         if calls is None:
-            return {"content": text} if text else {}
-        entries = calls[index].add(text)
+            return {"content": ev.text} if ev.text else {}
+        entries = calls[ev.index].add(ev.text)
         return {"tool_calls": entries} if entries else {}
 
-    def finish_reason(reason: str) -> str:
-        return "tool_calls" if tool_mode == "required" and reason == "stop" else reason
+    def finish_reason(index: int, reason: str) -> str:
+        called = tool_mode == "required" or (parsers is not None and parsers[index].tools_called)
+        return "tool_calls" if called and reason == "stop" else reason
 
     try:
         if stream and chat:
@@ -174,21 +234,26 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
                 yield chunk(ev.index, {}, extra={"diffusion_preview": ev.preview})
             elif isinstance(ev, Delta):
                 texts[ev.index] += ev.text
+                ids[ev.index] += ev.ids or []
                 if ev.entries is not None:
                     entries[ev.index].extend(ev.entries)
                 if stream:
                     lp = None if ev.entries is None else logprobs_object(tokenizer, ev.entries, k, chat)
-                    delta = content(ev.index, ev.text)
+                    delta = content(ev)
                     if delta or lp is not None:
                         yield chunk(ev.index, delta, logprobs=lp)
             elif isinstance(ev, End):
                 texts[ev.index] += ev.text
-                finish[ev.index] = finish_reason(ev.finish_reason)
+                ids[ev.index] += ev.ids or []
                 if ev.entries is not None:
                     entries[ev.index].extend(ev.entries)
                 if stream:
                     lp = None if not ev.entries else logprobs_object(tokenizer, ev.entries, k, chat)
-                    yield chunk(ev.index, content(ev.index, ev.text), finish=finish[ev.index], logprobs=lp)
+                    delta = content(ev)
+                    finish[ev.index] = finish_reason(ev.index, ev.finish_reason)
+                    yield chunk(ev.index, delta, finish=finish[ev.index], logprobs=lp)
+                else:
+                    finish[ev.index] = ev.finish_reason
             else:
                 usage = {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
                          "total_tokens": ev.prompt_tokens + ev.completion_tokens}
@@ -210,10 +275,18 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
         if tool_mode:
             out = {"message": {"role": "assistant", "content": "",
                                "tool_calls": tool_calls_from_text(texts[i], structured)}}
+        elif parsers is not None:
+            try:
+                reasoning, text, tool_calls = parsers[i].whole(texts[i], ids[i])
+            except TandemError as e:
+                yield e
+                return
+            message = {"role": "assistant", "content": text, "reasoning": reasoning}
+            out = {"message": {**message, "tool_calls": tool_calls} if tool_calls else message}
         else:
             out = {"message": {"role": "assistant", "content": texts[i]}} if chat else {"text": texts[i]}
         lp = None if k is None else logprobs_object(tokenizer, entries[i], k, chat)
-        choices.append({"index": i, **out, "logprobs": lp, "finish_reason": finish[i]})
+        choices.append({"index": i, **out, "logprobs": lp, "finish_reason": finish_reason(i, finish[i])})
     yield {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
            "model": model, "choices": choices, "usage": usage}
 

@@ -36,6 +36,7 @@ from diffusion_plugin.memory import (
     plan_pool,
     step_transient_bytes,
 )
+from diffusion_plugin.parsing import Parsers
 from diffusion_plugin.request import SeqStatus
 from diffusion_plugin.scheduler import Scheduler
 from diffusion_plugin.structured import Structured, resolve, wanted, warm_structured
@@ -92,6 +93,8 @@ class DiffusionEngine:
         self.adapter, self.memory = adapter, memory
         scheduler = Scheduler(self.max_batch, adapter.canvas_length, self.row_boundaries, memory=memory)
         self.intake = Intake(self.model, adapter, self.image_limits, scheduler, memory)
+        # vLLM's parsers for tool_choice "auto" and reasoning: a name vLLM does not know fails here.
+        self.parsers = Parsers(adapter.tokenizer, self.args.tool_call_parser, self.args.reasoning_parser)
         self.loop = DiffusionLoop(scheduler, runner)
         self.loop.start()
         return EngineInfo(model=self.model, kind="diffusion", max_model_len=adapter.max_position,
@@ -141,10 +144,12 @@ class DiffusionEngine:
 
     async def _serve(self, body: dict, request_id: str, chat: bool) -> AsyncIterator[Item]:
         try:
+            parsing = None
             if chat:
                 req = P.parse(P.ChatBody, body)
                 structured, grammar = await self.constraint(body, "chat")
                 sreq = await self.intake.chat(req)
+                parsing = await self.parsing(body, "chat", structured, sreq)
             else:
                 req = P.parse(P.CompletionBody, body)
                 structured, grammar = await self.constraint(body, "completions")
@@ -155,7 +160,8 @@ class DiffusionEngine:
             return
         items = openai_items(self.generate(request_id, sreq), chat=chat, request_id=request_id, model=self.model,
                              tokenizer=self.adapter.tokenizer, n=sreq.n, stream=req.stream,
-                             include_usage=req.include_usage(), top_logprobs=sreq.logprobs, structured=structured)
+                             include_usage=req.include_usage(), top_logprobs=sreq.logprobs, structured=structured,
+                             parsing=parsing)
         async with aclosing(items):
             async for item in items:
                 yield item
@@ -165,14 +171,26 @@ class DiffusionEngine:
         grammar, or (None, None). Raises ``TandemError`` (400) for what cannot be served."""
         if not wanted(body):
             return None, None
+        if body.get("tools") and body.get("tool_choice") in (None, "auto") and not self.parsers.auto_tools:
+            raise invalid('"auto" tool choice needs the model\'s tool parser (engine_args.tool_call_parser), '
+                          'which this diffusion model has not set; use tool_choice "required", a named '
+                          'function or "none"', param="tool_choice")
         structured = await asyncio.to_thread(resolve, body, route)
         if structured is None:
-            if body.get("tools") and body.get("tool_choice") in (None, "auto"):
-                raise invalid('"auto" tool choice needs the model\'s tool parser (engine_args.tool_call_parser), '
-                              'which this diffusion model has not set; use tool_choice "required", a named '
-                              'function or "none"', param="tool_choice")
             return None, None
         return structured, await asyncio.to_thread(self._compile, structured)
+
+    async def parsing(self, body: dict, route: str, structured: Structured | None, sreq: SeqRequest):
+        """The request's parsing by the model's parsers (``diffusion_plugin.parsing``), or None: none
+        configured, or the output is constrained tool calls (``tool_choice`` required or named)."""
+        if not self.parsers.configured or (structured is not None and structured.tool_mode):
+            return None
+        from diffusion_plugin.structured import request_errors
+
+        with request_errors(body):
+            parsing = await asyncio.to_thread(self.parsers.for_request, body, route, sreq.prompt_ids)
+        sreq.raw_text = parsing is not None
+        return parsing
 
     def _compile(self, structured: Structured):
         from diffusion_plugin.grammar import GrammarCompiler
@@ -192,7 +210,7 @@ class DiffusionEngine:
         early (the client left), it aborts whatever of its sequences still runs."""
         seqs = sreq.sequences(request_id, self.adapter.eos_token_ids)
         index = {s.seq_id: i for i, s in enumerate(seqs)}
-        texts = [ChoiceText(self.adapter.tokenizer, sreq.stops) for _ in seqs]
+        texts = [ChoiceText(self.adapter.tokenizer, sreq.stops, raw=sreq.raw_text) for _ in seqs]
         self._requests[request_id] = list(index)
         try:
             queue = self.loop.submit(*seqs)
@@ -207,18 +225,18 @@ class DiffusionEngine:
                                           "max_steps": ev.seq.params.max_denoising_steps,
                                           "text": text.preview(ev.new_ids)})
                 elif ev.kind is EventKind.BLOCK:
-                    delta, stopped, entries = text.add(ev.new_ids, ev.logprobs)
-                    if stopped:
+                    out = text.add(ev.new_ids, ev.logprobs)
+                    if out.stopped:
                         self.loop.abort(ev.seq.seq_id, SeqStatus.FINISHED_STOPPED)
-                    if delta or entries:
-                        yield Delta(i, delta, entries)
+                    if out.text or out.entries or out.ids:
+                        yield Delta(i, out.text, out.entries, out.ids)
                 else:
                     left -= 1
                     if ev.seq.status is SeqStatus.FINISHED_ERROR:
                         raise TandemError(ErrorKind.ENGINE_ERROR, f"the diffusion batch failed: {ev.seq.error}")
-                    rest, entries = text.flush()
-                    yield End(i, rest, text.finish_reason(ev.seq.status),
-                              entries if sreq.logprobs is not None else None)
+                    rest = text.flush()
+                    yield End(i, rest.text, text.finish_reason(ev.seq.status),
+                              rest.entries if sreq.logprobs is not None else None, rest.ids)
             yield Usage(len(sreq.prompt_ids) * len(seqs), sum(t.num_tokens for t in texts))
         finally:
             for s in seqs:

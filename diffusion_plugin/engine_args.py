@@ -42,6 +42,15 @@ class DiffusionEngineArgs(BaseModel):
                                             "activations, prompt pass). Larger: more KV pages (long sequences) at "
                                             "once, less room for the rest. Ignored on the host (pages are committed "
                                             f"as written) and by the exact sampler. None: {KV_FRACTION}.")
+    tool_call_parser: str | None = Field(None, min_length=1, description="vLLM's tool parser name (`gemma4` for "
+                                         "DiffusionGemma): serves `tool_choice: \"auto\"` (the committed text is "
+                                         "parsed into tool calls by vLLM's parser class), as `vllm serve "
+                                         "--enable-auto-tool-choice --tool-call-parser`. None: `auto` with tools is "
+                                         "a 400.")
+    reasoning_parser: str | None = Field(None, min_length=1, description="vLLM's reasoning parser name (`gemma4` "
+                                         "for DiffusionGemma): the model's thinking goes to the message's "
+                                         "`reasoning` and to Responses reasoning items, as `vllm serve "
+                                         "--reasoning-parser`.")
     max_images: int = Field(_IMAGES.max_images, ge=0, description="Images one request may carry.")
     max_image_bytes: int = Field(_IMAGES.max_image_bytes, ge=1, description="Largest encoded image, in bytes "
                                  "(beyond: 413).")

@@ -10,6 +10,7 @@ memory budget (a 400 naming the field, before anything is queued). Also ``/token
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ class SeqRequest:
     logprobs: int | None = None  # None: none; k: each committed token's logprob and the top k
     ignore_eos: bool = False  # blocks go on past EOS until max_tokens (EOS is then an ordinary token)
     grammar: object | None = None  # a structured output's compiled grammar (``diffusion_plugin.grammar``)
+    raw_text: bool = False  # a parser reads the text: special tokens kept, whole tokens (``chunks.ChoiceText``)
 
     def sequences(self, request_id: str, eos_token_ids: tuple[int, ...]) -> list[Sequence]:
         """Choice i is ``<request_id>-<i>`` with seed + i."""
@@ -61,7 +63,7 @@ class Intake:
     # -- the generation routes --------------------------------------------------------------
     async def chat(self, req: P.ChatBody) -> SeqRequest:
         return await self._prepare(req, req.messages, "messages", "max_tokens", req.output_limit(), req.n,
-                                   req.stops(), req.top_logprobs_k(), req.tools)
+                                   req.stops(), req.top_logprobs_k(), req.tools, req.chat_template_kwargs)
 
     async def completion(self, req: P.CompletionBody) -> SeqRequest:
         return await self._prepare(req, None, "prompt", "max_tokens", req.output_limit(), req.n, req.stops(),
@@ -72,11 +74,12 @@ class Intake:
                                    tools)
 
     async def _prepare(self, req, messages: list | None, field: str, limit_field: str, max_tokens: int | None,
-                       n: int, stops: list[str], logprobs: int | None, tools: list | None = None) -> SeqRequest:
+                       n: int, stops: list[str], logprobs: int | None, tools: list | None = None,
+                       template_kwargs: dict | None = None) -> SeqRequest:
         images = None
         if messages is not None:
             messages, images = await self._images(messages)
-            prompt_ids = self._prompt_ids(messages, None, tools)
+            prompt_ids = self._prompt_ids(messages, None, tools, template_kwargs)
         else:
             prompt_ids = self._prompt_ids(None, req.prompt)
         if images is not None:
@@ -90,12 +93,16 @@ class Intake:
         return SeqRequest(prompt_ids, images, knobs, max_tokens, n, stops, req.diffusion.previews and req.stream,
                           logprobs, ignore_eos=getattr(req, "ignore_eos", False))
 
-    def _prompt_ids(self, messages: list | None, prompt: str | None, tools: list | None = None) -> list[int]:
+    def _prompt_ids(self, messages: list | None, prompt: str | None, tools: list | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
         tok = self.adapter.tokenizer
         if messages is not None:
+            messages = _with_argument_dicts(messages)
+            kwargs = {k: v for k, v in (template_kwargs or {}).items()
+                      if k not in ("messages", "tools", "add_generation_prompt", "tokenize", "return_dict")}
             try:  # tools go to the chat template, as vLLM gives them (whatever the tool_choice)
                 return tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                               tokenize=True, return_dict=False)
+                                               tokenize=True, return_dict=False, **kwargs)
             except Exception as e:  # noqa: BLE001 - a malformed message is the client's error
                 raise invalid(f"messages: cannot apply the chat template: {e}", param="messages") from None
         return tok(prompt).input_ids
@@ -167,3 +174,27 @@ class Intake:
         if bad is not None:
             raise invalid(f"tokens: token id {bad} is out of vocabulary (size {vocab_size})", param="tokens")
         return {"prompt": self.adapter.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+
+def _with_argument_dicts(messages: list) -> list:
+    """Assistant tool calls' ``arguments`` as dicts, as vLLM gives them to chat templates (OpenAI
+    sends JSON strings; templates such as Gemma 4's write a dict in the model's own syntax). An
+    argument string that is not a JSON object stays a string."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if m.get("role") == "assistant" and isinstance(calls, list) and calls:
+            m = {**m, "tool_calls": [_call_with_dict(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _call_with_dict(call):
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call

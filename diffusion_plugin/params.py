@@ -22,8 +22,11 @@ Honoured (chat, completions; Responses in ``diffusion_plugin.responses``):
   ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``structural_tag``);
   chat's ``tools`` with ``tool_choice`` ``"required"`` or a named function (the output is the
   tool calls, constrained to vLLM's tool-call schema), ``"none"`` (tools given to the chat
-  template), and ``parallel_tool_calls``; ``tool_choice: "auto"`` with tools needs the model's
-  tool parser (``engine_args.tool_call_parser``), else a 400 as on ``vllm serve``;
+  template), and ``parallel_tool_calls``; ``tool_choice: "auto"`` (tools rendered by the chat
+  template, the output parsed into ``tool_calls`` by vLLM's parser) with the model's tool parser
+  (``engine_args.tool_call_parser``), else a 400 as on ``vllm serve``; the reasoning parser's
+  ``reasoning`` (``engine_args.reasoning_parser``; ``diffusion_plugin.parsing``), vLLM's
+  ``include_reasoning`` and ``chat_template_kwargs`` (e.g. ``enable_thinking``);
 - accepted and recorded nowhere (they change no output): ``user``, ``metadata``,
   ``store: false``, ``service_tier: "auto"``.
 
@@ -166,6 +169,8 @@ class ChatBody(_Base):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True  # vLLM's: false drops the parsed reasoning
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: to the chat template (enable_thinking...)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)

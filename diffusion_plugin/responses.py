@@ -74,6 +74,7 @@ def to_messages(req: ResponsesBody) -> list[dict]:
     ``construct_input_messages``: consecutive function calls are one assistant turn with
     ``tool_calls``, a function call's output a ``tool`` turn)."""
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    reasoning = None  # a reasoning item's text, for the assistant turn after it
     if isinstance(req.input, str):
         return messages + [{"role": "user", "content": req.input}]
     for i, item in enumerate(req.input):
@@ -87,7 +88,14 @@ def to_messages(req: ResponsesBody) -> list[dict]:
             if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
                 messages[-1]["tool_calls"].append(call)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                messages.append(_assistant({"role": "assistant", "content": None, "tool_calls": [call]}, reasoning))
+                reasoning = None
+            continue
+        if kind == "reasoning":  # a reasoning output item sent back: the next assistant turn's reasoning
+            texts = [c.get("text") for c in item.get("content") or [] if isinstance(c, dict)]
+            if not all(isinstance(t, str) for t in texts):
+                raise invalid(f"input.{i}: a reasoning item's content is reasoning_text parts", "input")
+            reasoning = "".join(texts)
             continue
         if kind == "function_call_output":
             output = item.get("output")
@@ -112,10 +120,19 @@ def to_messages(req: ResponsesBody) -> list[dict]:
                     raise invalid(f"input.{i}.content: part type {t!r} is not supported by the diffusion engine",
                                   param="input")
             content = parts
-        messages.append({"role": "system" if role == "developer" else role, "content": content})
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant":
+            message, reasoning = _assistant(message, reasoning), None
+        messages.append(message)
     if not messages:
         raise invalid("input: at least one message", param="input")
     return messages
+
+
+def _assistant(message: dict, reasoning: str | None) -> dict:
+    """An assistant turn with the reasoning that preceded it (``reasoning``, which chat templates
+    read as vLLM gives it; Gemma 4's renders it before tool calls)."""
+    return {**message, "reasoning": reasoning} if reasoning else message
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
@@ -139,41 +156,14 @@ async def serve_responses(engine, body: dict, request_id: str) -> AsyncIterator:
         structured, grammar = await engine.constraint(body, "responses")
         sreq = await engine.intake.responses(req, to_messages(req), tools)
         sreq.grammar = grammar
+        parsing = await engine.parsing(body, "responses", structured, sreq)
     except TandemError as e:
         yield e
         return
     tool_mode = structured.tool_mode if structured is not None else None
     rid = request_id if request_id.startswith("resp_") else f"resp_{request_id}"
-    msg_id = f"msg_{uuid.uuid4().hex}"
     created = int(time.time())
-    text, finish, usage = "", "stop", (0, 0)
-    calls = ToolCallStream(structured) if tool_mode else None
-    streamed_calls: dict[int, dict] = {}  # output index -> its function_call item, as streamed
-
-    def output(status: str) -> list[dict]:
-        if status == "in_progress":
-            return []
-        if not tool_mode:
-            return [_message(msg_id, text, "completed")]
-        if req.stream:
-            return [{**item, "status": "completed"} for _, item in sorted(streamed_calls.items())]
-        return [_function_call(c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
-                for c in tool_calls_from_text(text, structured)]
-
-    def response(status: str) -> dict:
-        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        inp, out = usage
-        return {"id": rid, "object": "response", "created_at": created, "model": engine.model, "status": status,
-                "error": None, "incomplete_details": incomplete, "instructions": req.instructions,
-                "max_output_tokens": req.max_output_tokens, "metadata": body.get("metadata"), "output": output(status),
-                "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
-                "tool_choice": req.tool_choice or ("auto" if req.tools else "none"), "tools": req.tools or [],
-                "top_p": 1.0, "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled",
-                "store": False, "background": False, "user": body.get("user"),
-                "usage": None if status == "in_progress" else {
-                    "input_tokens": inp, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": out,
-                    "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": inp + out}}
-
+    text, ids, finish, usage = "", [], "stop", (0, 0)
     seq = 0
 
     def event(kind: str, **fields) -> str:
@@ -182,61 +172,188 @@ async def serve_responses(engine, body: dict, request_id: str) -> AsyncIterator:
         seq += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-    def call_events(new_text: str):
-        """A committed block's function-call events: a call's item when it starts (name, call_id),
-        then its arguments as they come (vLLM's streaming of the tool-call JSON)."""
-        for entry in calls.add(new_text):
-            index, fn = entry["index"], entry.get("function", {})
-            if index not in streamed_calls:
-                streamed_calls[index] = _function_call(entry["id"], fn["name"], "", "in_progress")
-                yield event("response.output_item.added", output_index=index, item=streamed_calls[index])
-            if fn.get("arguments"):
-                streamed_calls[index]["arguments"] += fn["arguments"]
-                yield event("response.function_call_arguments.delta", item_id=streamed_calls[index]["id"],
-                            output_index=index, delta=fn["arguments"])
+    out = Outputs(event)
+    if parsing is not None:  # the model's parsers: reasoning, text and function calls
+        choice = parsing.choice()
 
-    where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+        def fields(ev) -> dict:
+            return choice.add(ev.text, ev.ids or [], finished=isinstance(ev, End))
+    elif tool_mode:  # constrained tool calls: function calls only
+        calls = ToolCallStream(structured)
+
+        def fields(ev) -> dict:
+            return {"tool_calls": calls.add(ev.text)}
+    else:  # text: one message, opened first (it carries the previews)
+        out.open("message")
+
+        def fields(ev) -> dict:
+            return {"content": ev.text}
+
+    def response(status: str, output: list[dict]) -> dict:
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        inp, n_out = usage
+        return {"id": rid, "object": "response", "created_at": created, "model": engine.model, "status": status,
+                "error": None, "incomplete_details": incomplete, "instructions": req.instructions,
+                "max_output_tokens": req.max_output_tokens, "metadata": body.get("metadata"), "output": output,
+                "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
+                "tool_choice": req.tool_choice or ("auto" if req.tools else "none"), "tools": req.tools or [],
+                "top_p": 1.0, "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled",
+                "store": False, "background": False, "user": body.get("user"),
+                "usage": None if status == "in_progress" else {
+                    "input_tokens": inp, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n_out,
+                    "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": inp + n_out}}
+
     try:
         async with aclosing(engine.generate(request_id, sreq)) as events:
             if req.stream:
-                yield event("response.created", response=response("in_progress"))
-                yield event("response.in_progress", response=response("in_progress"))
-                if not tool_mode:
-                    yield event("response.output_item.added", output_index=0,
-                                item=_message(msg_id, "", "in_progress", []))
-                    yield event("response.content_part.added", **where, part=_part(""))
+                yield event("response.created", response=response("in_progress", []))
+                yield event("response.in_progress", response=response("in_progress", []))
+                for e in out.pending():
+                    yield e
             async for ev in events:
                 if isinstance(ev, Preview):
-                    if req.stream and not tool_mode:
-                        yield event("response.diffusion_preview", **where, **ev.preview)
+                    if req.stream and out.preview_item is not None:
+                        yield event("response.diffusion_preview", **out.preview_item, **ev.preview)
                 elif isinstance(ev, Delta | End):
                     text += ev.text
+                    ids += ev.ids or []
                     if isinstance(ev, End):
                         finish = ev.finish_reason
-                    if req.stream and tool_mode:
-                        for e in call_events(ev.text):
+                    if req.stream:
+                        for e in out.add(fields(ev)):
                             yield e
-                    elif req.stream and ev.text:
-                        yield event("response.output_text.delta", **where, delta=ev.text, logprobs=[])
                 else:
                     usage = (ev.prompt_tokens, ev.completion_tokens)
+        status = "incomplete" if finish == "length" else "completed"
+        if not req.stream:  # the whole answer's items, as vLLM builds them
+            if parsing is not None:
+                reasoning, content, tool_calls = choice.whole(text, ids)
+                out.add({"reasoning": reasoning, "content": content, "tool_calls": [
+                    {**c, "index": i} for i, c in enumerate(tool_calls)]})
+                if not out.items:
+                    out.open("message")
+            elif tool_mode:
+                calls_made = tool_calls_from_text(text, structured)
+                out.add({"tool_calls": [{**c, "index": i} for i, c in enumerate(calls_made)]})
+            else:
+                out.add(fields(End(0, text, finish)))
+            out.finish()
+            yield response(status, out.items)
+            return
     except TandemError as e:
         yield e
         return
-    status = "incomplete" if finish == "length" else "completed"
-    if not req.stream:
-        yield response(status)
-        return
-    if tool_mode:
-        for index, item in sorted(streamed_calls.items()):
-            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                        arguments=item["arguments"])
-            yield event("response.output_item.done", output_index=index, item={**item, "status": "completed"})
-    else:
-        yield event("response.output_text.done", **where, text=text, logprobs=[])
-        yield event("response.content_part.done", **where, part=_part(text))
-        yield event("response.output_item.done", output_index=0, item=_message(msg_id, text, "completed"))
-    yield event("response.incomplete" if status == "incomplete" else "response.completed", response=response(status))
+    for e in out.finish():
+        yield e
+    yield event("response.incomplete" if status == "incomplete" else "response.completed",
+                response=response(status, out.items))
+
+
+class Outputs:
+    """A Response's output items, built from per-block delta fields (``reasoning``, ``content``,
+    ``tool_calls`` as the chat route streams them), and their streamed events: a reasoning item,
+    a message or a function call opens when its first delta comes and the item before it is
+    done then; function calls are done at the end."""
+
+    def __init__(self, event):
+        self.event = event
+        self.items: list[dict] = []
+        self.open_text: int | None = None  # the output index of the open reasoning or message item
+        self.calls: dict[int, int] = {}  # tool-call index -> output index
+        self.preview_item: dict | None = None
+        self._pending: list[str] = []
+
+    def pending(self) -> list[str]:
+        out, self._pending = self._pending, []
+        return out
+
+    def add(self, fields: dict) -> list[str]:
+        events = self.pending()
+        if fields.get("reasoning"):
+            events += self._text("reasoning", fields["reasoning"])
+        if fields.get("content"):
+            events += self._text("message", fields["content"])
+        for entry in fields.get("tool_calls") or []:
+            events += self._call(entry)
+        return events
+
+    def open(self, kind: str) -> None:
+        index = len(self.items)
+        if kind == "message":
+            self.items.append({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+                               "status": "in_progress", "content": []})
+            where = {"item_id": self.items[index]["id"], "output_index": index, "content_index": 0}
+            self.preview_item = where if index == 0 else None
+            self._pending += [
+                self.event("response.output_item.added", output_index=index, item=_copy(self.items[index])),
+                self.event("response.content_part.added", **where, part=_part(""))]
+            self.items[index]["content"] = [_part("")]
+        else:
+            self.items.append({"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": [],
+                               "status": "in_progress", "content": []})
+            self._pending.append(self.event("response.output_item.added", output_index=index,
+                                             item=_copy(self.items[index])))
+            self.items[index]["content"] = [{"type": "reasoning_text", "text": ""}]
+        self.open_text = index
+
+    def _text(self, kind: str, delta: str) -> list[str]:
+        if self.open_text is None or self.items[self.open_text]["type"] != kind:
+            self._close_text()
+            self.open(kind)
+        index = self.open_text
+        item = self.items[index]
+        item["content"][0]["text"] += delta
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        return self.pending() + [self.event(name, **where, delta=delta, **extra)]
+
+    def _close_text(self) -> None:
+        if self.open_text is None:
+            return
+        index, self.open_text = self.open_text, None
+        item = self.items[index]
+        item["status"] = "completed"
+        text = item["content"][0]["text"]
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        if item["type"] == "message":
+            self._pending += [self.event("response.output_text.done", **where, text=text, logprobs=[]),
+                              self.event("response.content_part.done", **where, part=_part(text))]
+        else:
+            self._pending.append(self.event("response.reasoning_text.done", **where, text=text))
+        self._pending.append(self.event("response.output_item.done", output_index=index, item=_copy(item)))
+
+    def _call(self, entry: dict) -> list[str]:
+        fn = entry.get("function") or {}
+        if entry["index"] not in self.calls:
+            self._close_text()
+            self.calls[entry["index"]] = len(self.items)
+            self.items.append(_function_call(entry["id"], fn["name"], "", "in_progress"))
+            self._pending.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                            item=_copy(self.items[-1])))
+        index = self.calls[entry["index"]]
+        events = self.pending()
+        if fn.get("arguments"):
+            self.items[index]["arguments"] += fn["arguments"]
+            events.append(self.event("response.function_call_arguments.delta", item_id=self.items[index]["id"],
+                                     output_index=index, delta=fn["arguments"]))
+        return events
+
+    def finish(self) -> list[str]:
+        """The open items' done events; every item completed."""
+        self._close_text()
+        events = self.pending()
+        for index in self.calls.values():
+            item = self.items[index]
+            item["status"] = "completed"
+            events += [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  arguments=item["arguments"]),
+                       self.event("response.output_item.done", output_index=index, item=_copy(item))]
+        return events
+
+
+def _copy(item: dict) -> dict:
+    return json.loads(json.dumps(item))
 
 
 def _function_call(call_id: str, name: str, arguments: str, status: str) -> dict:
@@ -246,8 +363,3 @@ def _function_call(call_id: str, name: str, arguments: str, status: str) -> dict
 
 def _part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _message(msg_id: str, text: str, status: str, content: list | None = None) -> dict:
-    return {"id": msg_id, "type": "message", "role": "assistant", "status": status,
-            "content": [_part(text)] if content is None else content}

@@ -22,12 +22,14 @@ Imports vLLM (and so torch) when first used, in the replica, never in the gatewa
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from tandem_core.errors import invalid
 
 _FIELDS = ("response_format", "structured_outputs", "tools", "tool_choice", "text")
+_PARSING = ("include_reasoning", "chat_template_kwargs", "reasoning")  # what vLLM's parsers also read
 
 
 @dataclass
@@ -60,11 +62,19 @@ def resolve(body: dict, route: str) -> Structured | None:
     (400) for what vLLM refuses."""
     if not wanted(body):
         return None
+    with request_errors(body):
+        return _resolve(body, route)
+
+
+@contextmanager
+def request_errors(body: dict):
+    """vLLM's refusals of a request (its request models, helpers and validators) as 400s naming the
+    field: the one place they are translated."""
     from pydantic import ValidationError
     from vllm.exceptions import VLLMValidationError
 
     try:
-        return _resolve(body, route)
+        yield
     except VLLMValidationError as e:
         raise invalid(str(e), param=getattr(e, "parameter", None) or _guess_param(body)) from None
     except ValidationError as e:
@@ -75,13 +85,18 @@ def resolve(body: dict, route: str) -> Structured | None:
         raise invalid(f"{_guess_param(body)}: {e}", param=_guess_param(body)) from None
 
 
+def vllm_request(body: dict, route: str):
+    """vLLM's request model of a chat or Responses body: the fields its parsers read."""
+    return _model(route).model_validate(_vllm_body(body, route, _PARSING))
+
+
 def _resolve(body: dict, route: str) -> Structured | None:
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams
     from vllm.tool_parsers.utils import get_json_schema_from_tools
     from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
     from vllm.v1.structured_output.request import get_structured_output_key
 
-    req = _model(route).model_validate(_vllm_body(body, route))
+    req = _model(route).model_validate(_vllm_body(body, route, ()))
     tool_mode = tool_name = None
     choice = getattr(req, "tool_choice", None)
     tools = getattr(req, "tools", None)
@@ -129,10 +144,10 @@ def _model(route: str):
     return ResponsesRequest
 
 
-def _vllm_body(body: dict, route: str) -> dict:
-    """The fields vLLM's request model reads for a constraint (tandem's own extension fields,
-    such as ``diffusion``, are not vLLM's)."""
-    keep = {"model", "messages", "prompt", "input", "instructions", "parallel_tool_calls", *_FIELDS}
+def _vllm_body(body: dict, route: str, more: tuple[str, ...]) -> dict:
+    """The fields vLLM's request model reads for a constraint (and ``more``; tandem's own extension
+    fields, such as ``diffusion``, are not vLLM's)."""
+    keep = {"model", "messages", "prompt", "input", "instructions", "parallel_tool_calls", *_FIELDS, *more}
     out = {k: v for k, v in body.items() if k in keep}
     if route == "chat":
         out.setdefault("messages", [{"role": "user", "content": ""}])

@@ -312,7 +312,8 @@ def _hf_child(spec: dict) -> dict:
     cuda = device.type == "cuda"
     tok = AutoTokenizer.from_pretrained(path)
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32).to(device).eval()
-    eos = {tok.convert_tokens_to_ids("<|im_end|>")}
+    eos_ids = model.generation_config.eos_token_id
+    eos = set(eos_ids if isinstance(eos_ids, list) else [eos_ids])
     knobs = {"max_denoising_steps": steps} if steps else {}
     clock = {"decode_s": 0.0, "decodes": 0, "encode_s": 0.0}
 

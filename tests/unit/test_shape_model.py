@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from workers import tiny_models
+from workers.tiny_models.diffusiongemma import EXTRA_SPECIAL_TOKENS, GEMMA4_TOKENS
 from workers.tiny_models import diffusiongemma as tiny_model
 
 
@@ -24,8 +25,10 @@ def test_config_has_the_real_shape(path):
     assert text["per_layer_config"] == {"1": {"head_dim": 512, "num_key_value_heads": 2}}  # full layers
     assert (text["sliding_window"], text["num_experts"], text["top_k_experts"]) == (1024, 128, 8)
     assert cfg["tie_word_embeddings"] and text["tie_word_embeddings"]
-    # Every id the model treats specially is a tokenizer id (sampled ids >= 1027 decode to nothing).
-    tok_len = len(json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]) + 3
+    # Every id the model treats specially is a tokenizer id (sampled ids >= 1039 decode to nothing).
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    tok_len = len(tokenizer["model"]["vocab"]) + len(EXTRA_SPECIAL_TOKENS + GEMMA4_TOKENS)
+    assert max(t["id"] for t in tokenizer["added_tokens"]) == tok_len - 1
     for key in ("boi_token_id", "eoi_token_id", "image_token_id"):
         assert cfg[key] < tok_len
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):

@@ -30,7 +30,8 @@ SHAPE_DIFFUSIONGEMMA = "shape-diffusiongemma"
 BUILDERS = {TINY_LLAMA: build_tiny_llama, TINY_DIFFUSIONGEMMA: build_tiny_diffusiongemma,
             SHAPE_DIFFUSIONGEMMA: build_shape_diffusiongemma}
 # A model's own recipe version, so that a new or changed model does not rebuild the others.
-VERSIONS = {TINY_LLAMA: BUILD_VERSION, TINY_DIFFUSIONGEMMA: 3, SHAPE_DIFFUSIONGEMMA: 2}  # 3, 2: tools in the template
+# 4, 3: Gemma 4's chat format and markers (special tokens) in the tokenizer; <turn|> is the EOS.
+VERSIONS = {TINY_LLAMA: BUILD_VERSION, TINY_DIFFUSIONGEMMA: 4, SHAPE_DIFFUSIONGEMMA: 3}
 
 
 # The libraries whose versions can change a build's bytes (the tokenizer is trained, the weights

@@ -35,26 +35,76 @@ from pathlib import Path
 from workers.tiny_models.llama import SPECIAL_TOKENS, build_tokenizer
 
 EXTRA_SPECIAL_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+# Gemma 4's chat and tool-calling markers (ids 1027...), special tokens as in Gemma 4's tokenizer:
+# vLLM's ``gemma4`` tool and reasoning parsers find a tool call, a thinking channel and a turn's
+# end by them. ``<turn|>`` ends a model turn: it is the model's EOS.
+GEMMA4_TOKENS = ["<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                 "<tool_response|>", '<|"|>', "<|channel>", "<channel|>", "<|think|>"]
+END_OF_TURN = "<turn|>"
 PATCH_SIZE, POOLING_KERNEL, MAX_SOFT_TOKENS = 4, 2, 70
-# ChatML, with image parts rendered as the image placeholder the processor expands.
-# ChatML with image parts, tools (a system turn listing them as JSON), assistant tool calls
-# (``<tool_call>{"name", "arguments"}</tool_call>``) and tool results (role ``tool``), so that a
-# conversation with function calls (chat or Responses) renders.
+# Gemma 4's chat format, written for the tiny models (not a copy of Gemma's template):
+# - turns ``<|turn>role\n...<turn|>\n``, the assistant's role being ``model``;
+# - a system turn when there is a system (or developer) message, tools or thinking: ``<|think|>``
+#   first when ``enable_thinking`` (chat_template_kwargs), then the system text, then one
+#   ``<|tool>declaration:name{description:<|"|>...<|"|>,parameters:{...}}<tool|>`` per tool;
+# - an assistant's tool calls ``<|tool_call>call:name{key:value,...}<tool_call|>`` (strings
+#   between ``<|"|>``; arguments given as a JSON string are written as given), each tool result
+#   ``<|tool_response>response:name{value:<|"|>...<|"|>}<tool_response|>`` in the same model turn,
+#   which the model then continues (no new generation prompt after a tool result);
+# - image parts: the image placeholder the processor expands.
 CHAT_TEMPLATE_WITH_IMAGES = (
-    "{% if tools %}{{ '<|im_start|>system\n# Tools\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}"
-    "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% elif message['content'] %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}{% elif part['type'] == 'image' %}{{ '<image_soft_token>' }}"
-    "{% endif %}{% endfor %}{% endif %}"
-    "{% if message['tool_calls'] is defined and message['tool_calls'] %}{% for call in message['tool_calls'] %}"
-    "{{ '<tool_call>' }}{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
-    "{{ '</tool_call>' }}{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- macro arg(v) -%}"
+    "{%- if v is string -%}{{ '<|\"|>' + v + '<|\"|>' }}"
+    "{%- elif v is boolean -%}{{ 'true' if v else 'false' }}"
+    "{%- elif v is mapping -%}{{ '{' }}{%- for k, x in v | dictsort -%}{{ k }}:{{ arg(x) }}"
+    "{%- if not loop.last %},{% endif -%}{%- endfor -%}{{ '}' }}"
+    "{%- elif v is sequence -%}{{ '[' }}{%- for x in v -%}{{ arg(x) }}{%- if not loop.last %},{% endif -%}"
+    "{%- endfor -%}{{ ']' }}"
+    "{%- elif v is none -%}{{ 'null' }}{%- else -%}{{ v }}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- macro text(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- elif content -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- elif part['type'] == 'image' -%}{{ '<image_soft_token>' }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- set ns = namespace(rest=messages, open=false) -%}"
+    "{%- set thinking = enable_thinking is defined and enable_thinking -%}"
+    "{%- set has_system = messages and messages[0]['role'] in ['system', 'developer'] -%}"
+    "{%- if has_system or tools or thinking -%}"
+    "{{ '<|turn>system\n' }}{%- if thinking -%}{{ '<|think|>\n' }}{%- endif -%}"
+    "{%- if has_system -%}{{ text(messages[0]['content']) }}{%- set ns.rest = messages[1:] -%}{%- endif -%}"
+    "{%- for tool in tools or [] -%}{%- set f = tool['function'] if tool['function'] is defined else tool -%}"
+    "{{ '<|tool>declaration:' + f['name'] + '{description:' + arg(f['description'] or '') }}"
+    "{%- if f['parameters'] -%}{{ ',parameters:' + arg(f['parameters']) }}{%- endif -%}{{ '}<tool|>' }}"
+    "{%- endfor -%}{{ '<turn|>\n' }}"
+    "{%- endif -%}"
+    "{%- for message in ns.rest -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{%- set called = namespace(name=message['name'] or 'tool') -%}"
+    "{%- for m in messages -%}{%- for c in m['tool_calls'] or [] -%}"
+    "{%- if c['id'] is defined and c['id'] == message['tool_call_id'] -%}{%- set called.name = c['function']['name'] -%}"
+    "{%- endif -%}{%- endfor -%}{%- endfor -%}"
+    "{{ '<|tool_response>response:' + called.name + '{value:' + arg(text(message['content'])) }}"
+    "{{ '}<tool_response|>' }}"
+    "{%- else -%}"
+    "{%- if ns.open -%}{%- if message['role'] != 'assistant' -%}{{ '<turn|>\n' }}{%- set ns.open = false -%}"
+    "{%- endif -%}{%- endif -%}"
+    "{%- if not ns.open -%}{{ '<|turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{%- endif -%}"
+    "{{ text(message['content']) }}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{{ '<|tool_call>call:' + call['function']['name'] }}"
+    "{%- set a = call['function']['arguments'] -%}"
+    "{%- if a is string -%}{{ '{' + a + '}' if not a.startswith('{') else a }}{%- else -%}{{ arg(a or {}) }}{%- endif -%}"
+    "{{ '<tool_call|>' }}"
+    "{%- endfor -%}"
+    "{%- if message['tool_calls'] -%}{%- set ns.open = true -%}{%- else -%}{{ '<turn|>\n' }}"
+    "{%- set ns.open = false -%}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if ns.open -%}{%- if not add_generation_prompt -%}{{ '<turn|>\n' }}{%- endif -%}"
+    "{%- elif add_generation_prompt -%}{{ '<|turn>model\n' }}{%- endif -%}"
 )
 CANVAS_LENGTH = 32
 INITIALIZER_RANGE = 0.2
@@ -128,7 +178,9 @@ def _build(out: Path, seed: int, canvas_length: int, vocab_size: int | None, tex
     out.mkdir(parents=True, exist_ok=True)
     base_len = build_tokenizer(out)
     tok = AutoTokenizer.from_pretrained(out)
-    tok.add_special_tokens({"extra_special_tokens": EXTRA_SPECIAL_TOKENS}, replace_extra_special_tokens=False)
+    tok.add_special_tokens({"extra_special_tokens": EXTRA_SPECIAL_TOKENS + GEMMA4_TOKENS},
+                           replace_extra_special_tokens=False)
+    tok.eos_token = END_OF_TURN
     tok.chat_template = CHAT_TEMPLATE_WITH_IMAGES
     tok.save_pretrained(out)
     Gemma4ImageProcessorPil(patch_size=PATCH_SIZE, max_soft_tokens=MAX_SOFT_TOKENS,
@@ -138,6 +190,7 @@ def _build(out: Path, seed: int, canvas_length: int, vocab_size: int | None, tex
     boi, eoi, image = tok.convert_tokens_to_ids(EXTRA_SPECIAL_TOKENS)
     assert (boi, eoi, image) == (base_len, base_len + 1, base_len + 2), (boi, eoi, image, base_len)
     ids = {t: SPECIAL_TOKENS.index(t) for t in SPECIAL_TOKENS}
+    eos = tok.convert_tokens_to_ids(END_OF_TURN)
     assert tok.convert_tokens_to_ids(SPECIAL_TOKENS) == list(range(len(SPECIAL_TOKENS)))
 
     text_config = DiffusionGemmaTextConfig(
@@ -150,7 +203,7 @@ def _build(out: Path, seed: int, canvas_length: int, vocab_size: int | None, tex
         initializer_range=INITIALIZER_RANGE,
         pad_token_id=ids["<pad>"],
         bos_token_id=ids["<s>"],
-        eos_token_id=ids["<|im_end|>"],
+        eos_token_id=eos,
         use_bidirectional_attention="vision",  # as the larger Gemma 4 models: images attend within themselves
         **text,
     )
@@ -185,7 +238,7 @@ def _build(out: Path, seed: int, canvas_length: int, vocab_size: int | None, tex
         stability_threshold=1,
         confidence_threshold=0.005,
         bos_token_id=ids["<s>"],
-        eos_token_id=ids["<|im_end|>"],
+        eos_token_id=eos,
         pad_token_id=ids["<pad>"],
     )
     model.save_pretrained(out, safe_serialization=True)
