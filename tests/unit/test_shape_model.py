@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from workers import tiny_models
-from workers.tiny_models.diffusiongemma import EXTRA_SPECIAL_TOKENS, GEMMA4_TOKENS
 from workers.tiny_models import diffusiongemma as tiny_model
 
 
@@ -27,7 +26,7 @@ def test_config_has_the_real_shape(path):
     assert cfg["tie_word_embeddings"] and text["tie_word_embeddings"]
     # Every id the model treats specially is a tokenizer id (sampled ids >= 1039 decode to nothing).
     tokenizer = json.loads((path / "tokenizer.json").read_text())
-    tok_len = len(tokenizer["model"]["vocab"]) + len(EXTRA_SPECIAL_TOKENS + GEMMA4_TOKENS)
+    tok_len = len(tokenizer["model"]["vocab"]) + len(tiny_model.EXTRA_SPECIAL_TOKENS + tiny_model.GEMMA4_TOKENS)
     assert max(t["id"] for t in tokenizer["added_tokens"]) == tok_len - 1
     for key in ("boi_token_id", "eoi_token_id", "image_token_id"):
         assert cfg[key] < tok_len
