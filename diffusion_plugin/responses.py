@@ -1,28 +1,35 @@
-"""``POST /v1/responses`` on a diffusion model: text (and image) input, text or function-call output.
+"""``POST /v1/responses`` on a diffusion model: text (and image) input; reasoning, text and
+function-call output.
 
 Honoured: ``model``, ``input`` (a string, or a list of items: messages -- ``{"role", "content"}``
 with a string or ``input_text`` / ``output_text`` / ``input_image`` (URL) parts; role
-``developer`` reads as ``system`` -- and ``function_call`` / ``function_call_output`` items, which
-become an assistant turn with tool calls and ``tool`` turns for the chat template),
-``instructions`` (a system message first), ``max_output_tokens``, ``temperature`` (as on chat; 0
-without ``seed`` is deterministic), ``seed`` (an extension, as on chat), ``stream``,
-``diffusion`` (the knobs of chat; ``previews`` streams ``response.diffusion_preview`` events
-{block, step, max_steps, text}, each replacing the previous one of its block, between that
-block's ``response.output_text.delta`` events), ``text.format`` (``json_schema``,
-``json_object``: structured outputs, ``diffusion_plugin.structured``), ``tools`` (function
-tools, given to the chat template) with ``tool_choice`` ``"required"`` or a named function (the
-output is ``function_call`` items, constrained to vLLM's tool-call schema; ``"none"``: text),
-``parallel_tool_calls``, ``user``, ``metadata``. One ``response.output_text.delta`` per committed
-block; function calls stream as ``response.output_item.added`` (name, call_id) then
-``response.function_call_arguments.delta`` events, per committed block.
+``developer`` reads as ``system`` -- ``function_call`` / ``function_call_output`` items, which
+become an assistant turn with tool calls and ``tool`` turns for the chat template, and
+``reasoning`` items, the next assistant turn's reasoning), ``instructions`` (a system message
+first), ``max_output_tokens``, ``temperature`` (as on chat; 0 without ``seed`` is
+deterministic), ``seed`` (an extension, as on chat), ``stream``, ``diffusion`` (the knobs of
+chat; ``previews`` streams ``response.diffusion_preview`` events {block, step, max_steps, text},
+each replacing the previous one of its block, between that block's
+``response.output_text.delta`` events), ``text.format`` (``json_schema``, ``json_object``) and
+vLLM's ``structured_outputs`` (structured outputs, ``diffusion_plugin.structured``), ``tools``
+(function tools, given to the chat template) with ``tool_choice`` ``"required"`` or a named
+function (the output is ``function_call`` items, constrained to vLLM's tool-call schema),
+``"auto"`` (needs ``engine_args.tool_call_parser``: the output parsed by vLLM's parser,
+``diffusion_plugin.parsing``) or ``"none"``, ``parallel_tool_calls``, ``user``, ``metadata``.
+With a reasoning parser the model's thinking is a ``reasoning`` item.
+
+Output items open as their first delta comes (``Outputs``): a reasoning item streams
+``response.reasoning_text.delta`` events, a message ``response.output_text.delta`` events, a
+function call ``response.output_item.added`` (name, call_id) then
+``response.function_call_arguments.delta`` events; at most one event of each per committed block.
 
 Refused with a 400 naming the field unless null or neutral: ``store`` (false: nothing is stored;
 retrieval is not served), ``background`` (false), ``previous_response_id``, ``conversation``,
-``reasoning``, ``include`` ([]), ``top_p`` (1), ``top_logprobs``, ``truncation`` ("disabled"),
-``max_tool_calls``, ``prompt``, ``service_tier`` ("auto"), ``tool_choice: "auto"`` with tools (no
-tool parser: as ``vllm serve`` without one), and any other field. The Response object has
-OpenAI's shape: ``status`` "completed", or "incomplete" with ``incomplete_details.reason``
-"max_output_tokens".
+``reasoning`` (the effort knob: a chat template's thinking is not switched by it), ``include``
+([]), ``top_p`` (1), ``top_logprobs``, ``truncation`` ("disabled"), ``max_tool_calls``,
+``prompt``, ``service_tier`` ("auto"), ``tool_choice: "auto"`` with tools without a tool parser
+(as ``vllm serve`` without one), and any other field. The Response object has OpenAI's shape:
+``status`` "completed", or "incomplete" with ``incomplete_details.reason`` "max_output_tokens".
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class ResponsesBody(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
     text: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's (not with text.format)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

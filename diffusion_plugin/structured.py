@@ -107,8 +107,10 @@ def _resolve(body: dict, route: str) -> Structured | None:
         tool_name = None if choice == "required" else _tool_name(choice)
     else:
         so = req.extract_structured_outputs()
-        param = "text" if route == "responses" else (
-            "response_format" if body.get("response_format") not in (None, {"type": "text"}) else "structured_outputs")
+        if body.get("structured_outputs") is not None:
+            param = "structured_outputs"
+        else:
+            param = "text" if route == "responses" else "response_format"
     if so is None:
         return None
     sp = SamplingParams(structured_outputs=so)

@@ -90,3 +90,30 @@ def test_a_constrained_row_never_changes_an_unconstrained_batch_mates_tokens(ada
     mixed = run(adapter, sampler, [None, grammar, None], max_tokens=70)
     assert [s.output_ids for s in alone][0::2] == [s.output_ids for s in mixed][0::2]
     assert alone[1].output_ids != mixed[1].output_ids  # (the grammar did change its own row)
+
+
+def test_structural_tags_with_token_elements_keep_their_own_tokens(adapter, compiler):
+    """xgrammar 0.2.8's compile cache gives a structural tag compiled after another the other's
+    later ``token`` elements (seen: a Gemma 4 call's ``<tool_call|>`` became ``<channel|>``, which
+    its own matcher then refused). Each tag, compiled after another, allows its own tokens."""
+    import numpy as np
+    import xgrammar as xgr
+
+    from diffusion_plugin.grammar import allowed_ids
+
+    tok = adapter.tokenizer
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>")}
+
+    def tag(start: str, middle: str, end: str) -> str:
+        return json.dumps({"type": "structural_tag", "format": {"type": "sequence", "elements": [
+            {"type": "token", "token": ids[start]}, {"type": "const_string", "value": middle},
+            {"type": "token", "token": ids[end]}]}})
+
+    for start, middle, end in [("<|channel>", "a", "<channel|>"), ("<|tool_call>", "b", "<tool_call|>"),
+                               ("<|channel>", "b", "<channel|>")]:
+        matcher = xgr.GrammarMatcher(compiler.compile("structural_tag", tag(start, middle, end)))
+        mask = xgr.allocate_token_bitmask(1, adapter.vocab_size)
+        for token in (ids[start], tok(middle, add_special_tokens=False).input_ids[0], ids[end]):
+            matcher.fill_next_token_bitmask(mask, 0)
+            assert list(allowed_ids(mask.numpy().view(np.uint32)[0], adapter.vocab_size)) == [token]
+            assert matcher.accept_token(token)
