@@ -269,11 +269,15 @@ class Outputs:
         self.open_text: int | None = None  # the output index of the open reasoning or message item
         self.calls: dict[int, int] = {}  # tool-call index -> output index
         self.preview_item: dict | None = None
-        self._pending: list[str] = []
+        self._pending: list[tuple[str, dict]] = []  # events not yet numbered: (type, fields)
 
     def pending(self) -> list[str]:
+        """The queued events, numbered now (in the order they are sent)."""
         out, self._pending = self._pending, []
-        return out
+        return [self.event(kind, **fields) for kind, fields in out]
+
+    def _queue(self, kind: str, **fields) -> None:
+        self._pending.append((kind, fields))
 
     def add(self, fields: dict) -> list[str]:
         events = self.pending()
@@ -292,15 +296,13 @@ class Outputs:
                                "status": "in_progress", "content": []})
             where = {"item_id": self.items[index]["id"], "output_index": index, "content_index": 0}
             self.preview_item = where if index == 0 else None
-            self._pending += [
-                self.event("response.output_item.added", output_index=index, item=_copy(self.items[index])),
-                self.event("response.content_part.added", **where, part=_part(""))]
+            self._queue("response.output_item.added", output_index=index, item=_copy(self.items[index]))
+            self._queue("response.content_part.added", **where, part=_part(""))
             self.items[index]["content"] = [_part("")]
         else:
             self.items.append({"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": [],
                                "status": "in_progress", "content": []})
-            self._pending.append(self.event("response.output_item.added", output_index=index,
-                                             item=_copy(self.items[index])))
+            self._queue("response.output_item.added", output_index=index, item=_copy(self.items[index]))
             self.items[index]["content"] = [{"type": "reasoning_text", "text": ""}]
         self.open_text = index
 
@@ -314,7 +316,8 @@ class Outputs:
         where = {"item_id": item["id"], "output_index": index, "content_index": 0}
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         extra = {"logprobs": []} if kind == "message" else {}
-        return self.pending() + [self.event(name, **where, delta=delta, **extra)]
+        self._queue(name, **where, delta=delta, **extra)
+        return self.pending()
 
     def _close_text(self) -> None:
         if self.open_text is None:
@@ -325,11 +328,11 @@ class Outputs:
         text = item["content"][0]["text"]
         where = {"item_id": item["id"], "output_index": index, "content_index": 0}
         if item["type"] == "message":
-            self._pending += [self.event("response.output_text.done", **where, text=text, logprobs=[]),
-                              self.event("response.content_part.done", **where, part=_part(text))]
+            self._queue("response.output_text.done", **where, text=text, logprobs=[])
+            self._queue("response.content_part.done", **where, part=_part(text))
         else:
-            self._pending.append(self.event("response.reasoning_text.done", **where, text=text))
-        self._pending.append(self.event("response.output_item.done", output_index=index, item=_copy(item)))
+            self._queue("response.reasoning_text.done", **where, text=text)
+        self._queue("response.output_item.done", output_index=index, item=_copy(item))
 
     def _call(self, entry: dict) -> list[str]:
         fn = entry.get("function") or {}
@@ -337,27 +340,24 @@ class Outputs:
             self._close_text()
             self.calls[entry["index"]] = len(self.items)
             self.items.append(_function_call(entry["id"], fn["name"], "", "in_progress"))
-            self._pending.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
-                                            item=_copy(self.items[-1])))
+            self._queue("response.output_item.added", output_index=len(self.items) - 1, item=_copy(self.items[-1]))
         index = self.calls[entry["index"]]
-        events = self.pending()
         if fn.get("arguments"):
             self.items[index]["arguments"] += fn["arguments"]
-            events.append(self.event("response.function_call_arguments.delta", item_id=self.items[index]["id"],
-                                     output_index=index, delta=fn["arguments"]))
-        return events
+            self._queue("response.function_call_arguments.delta", item_id=self.items[index]["id"], output_index=index,
+                        delta=fn["arguments"])
+        return self.pending()
 
     def finish(self) -> list[str]:
         """The open items' done events; every item completed."""
         self._close_text()
-        events = self.pending()
         for index in self.calls.values():
             item = self.items[index]
             item["status"] = "completed"
-            events += [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  arguments=item["arguments"]),
-                       self.event("response.output_item.done", output_index=index, item=_copy(item))]
-        return events
+            self._queue("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                        arguments=item["arguments"])
+            self._queue("response.output_item.done", output_index=index, item=_copy(item))
+        return self.pending()
 
 
 def _copy(item: dict) -> dict:
