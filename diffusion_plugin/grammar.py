@@ -31,6 +31,8 @@ exponent pass for the masked distribution (``docs/benchmarks.md`` has the figure
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
@@ -41,6 +43,7 @@ import xgrammar as xgr
 # in a row: a canvas position is as cheap to fill with a space as with anything else, so unbounded
 # whitespace let a (random) model pad a bounded schema past any max_tokens.
 WHITESPACE = 8
+TAG_CACHE = 64  # compiled structural tags kept, by exact spec (least recently used out)
 
 
 class GrammarCompiler:
@@ -55,8 +58,11 @@ class GrammarCompiler:
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
         # xgrammar 0.2.8's cache mixes up structural tags' ``token`` elements: compiled after
         # another tag, a tag's later tokens are the other tag's (tests/unit/test_diffusion_grammar.py).
-        # Structural tags are compiled without the cache.
+        # Structural tags are compiled without it, and kept here by their exact spec (an agent
+        # sends the same tag every turn, and a compile over a 262,144-entry vocabulary takes seconds).
         self.uncached = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self._tags: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
+        self._tag_lock = threading.Lock()
         self.vocab_size = vocab_size
 
     def compile(self, kind: str, spec: str) -> xgr.CompiledGrammar:
@@ -69,9 +75,19 @@ class GrammarCompiler:
         if kind == "grammar":
             return self.compiler.compile_grammar(spec)
         if kind == "structural_tag":
-            return self.uncached.compile_structural_tag(spec)
+            return self._structural_tag(spec)
         raise ValueError(f"bug: unknown structured output kind {kind!r}")
 
+
+    def _structural_tag(self, spec: str) -> xgr.CompiledGrammar:
+        with self._tag_lock:  # requests compile in worker threads
+            if spec in self._tags:
+                self._tags.move_to_end(spec)
+                return self._tags[spec]
+            compiled = self._tags[spec] = self.uncached.compile_structural_tag(spec)
+            while len(self._tags) > TAG_CACHE:
+                self._tags.popitem(last=False)
+            return compiled
 
     def _json(self, schema: str) -> xgr.CompiledGrammar:
         """Strict JSON (what ``json.loads`` accepts): xgrammar's rule for a string with a length
