@@ -310,3 +310,14 @@ def test_hoptrace_stage_gaps_show_where_a_stall_starts():
     gaps = stage_gaps(events, [(0, 50 * ms)])
     assert gaps["v_output"] == (2.0, 2.0, 2.0) and gaps["g_feed"] == (2.0, 2.0, 37.0)  # the stall: its max
     assert "| gateway receives a batch | 2.00 / 2.00 / 37.0 |" in format_gaps({"t": gaps})
+
+
+def test_bench_parsing_runs_and_parses_every_call(capsys):
+    """The parser benchmark at a small size: its own check (every finished call parsed) holds and it
+    prints the three text paths."""
+    from tandem_tools.bench_parsing import main
+
+    main(["--tokens", "600", "--canvas", "64", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert "600 tokens in 10 blocks of 64" in out
+    assert all(name in out for name in ("plain", "raw", "parsed"))
