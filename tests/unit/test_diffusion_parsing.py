@@ -247,3 +247,29 @@ def test_raw_text_releases_whole_tokens_with_their_ids(tok, ids, canvas):
         assert tok.decode(sent_ids, skip_special_tokens=False) == sent_text
     rest = text.flush()
     assert sent_ids + rest.ids == ids and sent_text + rest.text == tok.decode(ids, skip_special_tokens=False)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(st.integers(6, 300), st.sampled_from([1029, 1031, 1032, 1035])), min_size=1, max_size=30),
+       st.integers(1, 7), st.integers(0, 29), st.integers(1, 3))
+def test_raw_text_with_a_stop_string_releases_the_text_before_it(tok, ids, canvas, at, length):
+    """A stop string cut from the raw text itself: the released text is the text before it, and
+    the released ids are the tokens up to the one it starts in."""
+    full = tok.decode(ids, skip_special_tokens=False)
+    stop = full[min(at, len(full) - 1):][:length]
+    if not stop or "\ufffd" in stop:
+        return
+    text = ChoiceText(tok, [stop], raw=True)
+    sent_ids, sent_text = [], ""
+    for b in range(0, len(ids), canvas):
+        out = text.add(ids[b:b + canvas])
+        sent_ids += out.ids
+        sent_text += out.text
+        if out.stopped:
+            break
+    rest = text.flush()
+    sent_ids += rest.ids
+    sent_text += rest.text
+    assert sent_text == full[:full.find(stop)]
+    assert sent_ids == ids[:len(sent_ids)]
+    assert tok.decode(sent_ids, skip_special_tokens=False).startswith(sent_text)
