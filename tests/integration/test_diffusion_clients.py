@@ -4,12 +4,13 @@ JSON_SCHEMA) and the OpenAI Agents SDK (a function tool with ``tool_choice="requ
 chat and its Responses models) all get valid structured results from a random model, because the
 grammar constrains its canvas. Only the diffusion knob that keeps CPU tests short is added."""
 
-import asyncio
 import json
 from typing import Annotated
 
 import pytest
 from pydantic import BaseModel, Field
+
+from tests.agents_sdk import run_agent
 
 MODEL = "tiny-diffusiongemma"
 FAST = {"diffusion": {"max_denoising_steps": 4}}
@@ -47,34 +48,16 @@ def test_instructor(stack, mode):
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_openai_agents_sdk_calls_a_function_tool(stack, api):
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-    from openai import AsyncOpenAI
-
-    set_tracing_disabled(True)  # the SDK would export traces to OpenAI
     calls = []
 
-    @function_tool  # bounded arguments, so that any model ends the call
+    # Bounded arguments, so that any model ends the call.
     def get_weather(city: Annotated[str, Field(max_length=12)], days: Annotated[int, Field(ge=1, le=7)]) -> str:
         """The weather in a city for the next days."""
         calls.append((city, days))
         return f"sunny in {city} for {days} days"
 
-    client = AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused")
-    model = (OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel)(model=MODEL, openai_client=client)
-    agent = Agent(name="weather", instructions="Use the tool.", tools=[get_weather], model=model,
-                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=300,
-                                               extra_body=FAST),
-                  tool_use_behavior="stop_on_first_tool")
-
-    result = asyncio.run(Runner.run(agent, "Weather in Paris?", max_turns=2))
+    result = run_agent(stack.url, MODEL, api, get_weather, tool_choice="required", parallel_tool_calls=False,
+                       max_tokens=300, extra_body=FAST)
     assert len(calls) >= 1, result
     city, days = calls[0]
     assert isinstance(city, str) and len(city) <= 12 and isinstance(days, int) and 1 <= days <= 7

@@ -8,7 +8,6 @@ format: the special token itself, which the streaming parser needs) around bound
 Whatever the model fills in, every answer then holds the forced calls, streamed or not, with
 n=1 and n=2, on chat, Responses and the OpenAI Agents SDK."""
 
-import asyncio
 import json
 import re
 from typing import Annotated
@@ -17,6 +16,7 @@ import jsonschema
 import pytest
 from pydantic import Field
 
+from tests.agents_sdk import run_agent
 from tests.integration.stack import REPO, running_stack
 from tests.unit.gateway_server import free_port
 
@@ -148,31 +148,13 @@ def test_responses_auto_gives_reasoning_and_function_call_items(tools_stack, str
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_openai_agents_sdk_with_auto_tool_choice(tools_stack, api):
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-    from openai import AsyncOpenAI
-
-    set_tracing_disabled(True)  # the SDK would export traces to OpenAI
     calls = []
 
-    @function_tool
     def get_weather(city: Annotated[str, Field(pattern="^[A-Za-z]{1,8}$")],
                     days: Annotated[int, Field(ge=1, le=7)]) -> str:
         """The weather in a city for the next days."""
         calls.append((city, days))
         return f"sunny in {city} for {days} days"
 
-    client = AsyncOpenAI(base_url=tools_stack.url + "/v1", api_key="unused")
-    model = (OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel)(model=MODEL, openai_client=client)
-    agent = Agent(name="weather", instructions="Use the tool.", tools=[get_weather], model=model,
-                  model_settings=ModelSettings(max_tokens=80, extra_body=_forced(_call())),
-                  tool_use_behavior="stop_on_first_tool")
-    asyncio.run(Runner.run(agent, "Weather in Paris?", max_turns=2))
+    run_agent(tools_stack.url, MODEL, api, get_weather, max_tokens=80, extra_body=_forced(_call()))
     assert len(calls) == 1 and re.fullmatch("[A-Za-z]{1,8}", calls[0][0]) and 1 <= calls[0][1] <= 7

@@ -7,7 +7,6 @@ marker's neighbourhood (``call:name{``, ``<|"|>``) in two. Whatever the cut, the
 deltas equal the whole answer, and both equal what the text says.
 """
 
-import asyncio
 import json
 
 import pytest
@@ -15,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from diffusion_plugin.batch import RowOutput, StepOutput
 from diffusion_plugin.chunks import ChoiceText
 from diffusion_plugin.engine import DiffusionEngine
-from tandem_core.protocol import DONE
+from tests import scripted
+from tests.scripted import Adapter, ScriptRunner, payloads
 from workers import tiny_models
 from workers.tiny_models.diffusiongemma import END_OF_TURN, GEMMA4_TOKENS
 
@@ -41,63 +40,8 @@ def tok():
     return AutoTokenizer.from_pretrained(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA))
 
 
-class Adapter:
-    max_position = 10**6
-    has_vision = False
-
-    def __init__(self, tok, canvas):
-        self.tokenizer = tok
-        self.canvas_length = canvas
-        self.vocab_size = len(tok)
-        self.eos_token_ids = (tok.convert_tokens_to_ids(END_OF_TURN),)
-
-    def defaults(self):
-        return {"max_denoising_steps": 1, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8,
-                "stability_threshold": 1, "confidence_threshold": 0.005}
-
-
-class Runner:
-    """Commits ``script`` ``canvas`` tokens a block (one step a block); records the prompts."""
-
-    def __init__(self, script, canvas):
-        self.script, self.canvas, self.prompts = script, canvas, []
-
-    def execute(self, batch, seqs):
-        rows = []
-        for sid in batch.denoise:
-            seq = seqs[sid]
-            at = len(seq.output_ids)
-            if at == 0:
-                self.prompts.append(list(seq.prompt_ids))
-            block = self.script[at:at + self.canvas]
-            block += [self.script[-1]] * (self.canvas - len(block))
-            rows.append(RowOutput(sid, True, committed=block, logprobs=None))
-        return StepOutput(rows=rows)
-
-    def free(self, seq_id):
-        pass
-
-    def reset(self):
-        pass
-
-
 def serve(tok, script, canvas, calls, engine_args=PARSERS, runner=None):
-    """Each (route, body) of ``calls`` on an engine whose runner commits ``script``; their items."""
-    runner = runner or Runner(script, canvas)
-
-    async def main():
-        engine = DiffusionEngine("m", "unused", {"max_batch": 4, **engine_args})
-        engine.start_with(Adapter(tok, canvas), runner, memory=None)
-        try:
-            return [[x async for x in getattr(engine, route)(body, f"r{i}")] for i, (route, body) in enumerate(calls)]
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(main())
-
-
-def payloads(items):
-    return [json.loads(c[len("data: "):]) for c in items if isinstance(c, str) and c != DONE]
+    return scripted.serve(tok, script, calls, canvas=canvas, engine_args=engine_args, runner=runner)
 
 
 def script_of(tok, text=ANSWER):
@@ -186,7 +130,7 @@ def test_tool_choice_none_makes_no_tool_calls(tok):
 
 
 def test_the_template_gets_tools_thinking_and_past_calls_in_gemma4_format(tok):
-    runner = Runner(script_of(tok), 4)
+    runner = ScriptRunner(script_of(tok), 4)
     past = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
@@ -224,7 +168,7 @@ def test_responses_auto_gives_reasoning_message_and_function_call_items(tok):
 def test_a_parser_name_vllm_does_not_know_fails_the_start(tok):
     engine = DiffusionEngine("m", "unused", {"tool_call_parser": "no-such-parser"})
     with pytest.raises(ValueError, match="engine_args.tool_call_parser"):
-        engine.start_with(Adapter(tok, 4), Runner([0], 4), memory=None)
+        engine.start_with(Adapter(tok, 4), ScriptRunner([0], 4), memory=None)
 
 
 def test_auto_without_a_tool_parser_is_a_400_naming_tool_choice(tok):

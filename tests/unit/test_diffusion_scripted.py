@@ -9,7 +9,6 @@ byte-level tokenizer), so the inputs are built, not sampled:
 - tool calls streamed from blocks that hold several call boundaries or half of one.
 """
 
-import asyncio
 import json
 
 import pytest
@@ -17,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from diffusion_plugin.batch import RowOutput, StepOutput
-from diffusion_plugin.engine import DiffusionEngine
 from diffusion_plugin.token_text import TextOffsets, token_bytes
-from tandem_core.protocol import DONE
+from tests import scripted
+from tests.scripted import payloads
 from workers import tiny_models
+from workers.tiny_models.diffusiongemma import END_OF_TURN
 
 CANVAS = 4
 TEXT = "ab Ѣ€ c€dѢ"
@@ -32,62 +31,8 @@ def tok():
     return AutoTokenizer.from_pretrained(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA))
 
 
-class Adapter:
-    canvas_length = CANVAS
-    max_position = 10**6
-    has_vision = False
-
-    def __init__(self, tok):
-        self.tokenizer = tok
-        self.vocab_size = len(tok)
-        self.eos_token_ids = (tok.convert_tokens_to_ids("<|im_end|>"),)
-
-    def defaults(self):
-        return {"max_denoising_steps": 1, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8,
-                "stability_threshold": 1, "confidence_threshold": 0.005}
-
-
-class ScriptRunner:
-    """Commits ``script`` a canvas at a time (one step a block), each token with logprob -0.5 - i/100
-    and a second candidate one lower."""
-
-    def __init__(self, script):
-        self.script = script
-
-    def execute(self, batch, seqs):
-        rows = []
-        for sid in batch.denoise:
-            seq = seqs[sid]
-            at = len(seq.output_ids)
-            block = self.script[at:at + CANVAS]
-            block += [self.script[-1]] * (CANVAS - len(block))
-            lps = [(-0.5 - (at + j) / 100, [(t, -0.5 - (at + j) / 100), (t + 1, -1.5 - (at + j) / 100)])
-                   for j, t in enumerate(block)] if seq.params.logprobs is not None else None
-            rows.append(RowOutput(sid, True, committed=block, logprobs=lps))
-        return StepOutput(rows=rows)
-
-    def free(self, seq_id):
-        pass
-
-    def reset(self):
-        pass
-
-
 def serve(tok, script, calls):
-    """Each (route, body) of ``calls`` on an engine whose runner commits ``script``; their items."""
-    async def main():
-        engine = DiffusionEngine("m", "unused", {"max_batch": 4})
-        engine.start_with(Adapter(tok), ScriptRunner(script), memory=None)
-        try:
-            return [[x async for x in getattr(engine, route)(body, f"r{i}")] for i, (route, body) in enumerate(calls)]
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(main())
-
-
-def payloads(items):
-    return [json.loads(c[len("data: "):]) for c in items if isinstance(c, str) and c != DONE]
+    return scripted.serve(tok, script, calls, canvas=CANVAS)
 
 
 def shifted(tok, shift):
@@ -164,7 +109,7 @@ def test_a_stop_string_after_a_split_character_keeps_the_tokens_before_it(tok, s
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(st.integers(0, 1026), st.integers(6, 300)), max_size=40))
+@given(st.lists(st.one_of(st.integers(0, 1038), st.integers(6, 300)), max_size=40))
 def test_offsets_are_a_function_of_the_tokens_before(tok, ids):
     """Any token sequence (invalid UTF-8, special tokens, image tokens): the incremental offsets
     equal the definition, and the tokens' bytes join to the text."""
@@ -192,7 +137,7 @@ def test_streamed_tool_calls_across_blocks_equal_the_whole_answers(tok, shift):
     cut a boundary in two; whatever the cut, each call's first delta names it (id, type,
     function.name), the joined arguments are its arguments, and the stream equals the whole."""
     script = tok(" " * shift + CALLS, add_special_tokens=False).input_ids
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    eos = tok.convert_tokens_to_ids(END_OF_TURN)
     body = {"model": "m", "messages": [{"role": "user", "content": "p"}], "tools": TOOLS, "tool_choice": "required",
             "max_tokens": len(script) + 1, "seed": 1}
     (whole,), streamed = serve(tok, script + [eos], [("chat", body), ("chat", {**body, "stream": True})])
