@@ -159,7 +159,7 @@ class DiffusionEngine:
             yield e
             return
         items = openai_items(self.generate(request_id, sreq), chat=chat, request_id=request_id, model=self.model,
-                             tokenizer=self.adapter.tokenizer, n=sreq.n, stream=req.stream,
+                             tokenizer=self.adapter.tokenizer, n=sreq.choices, stream=req.stream,
                              include_usage=req.include_usage(), top_logprobs=sreq.logprobs, structured=structured,
                              parsing=parsing)
         async with aclosing(items):
@@ -237,7 +237,7 @@ class DiffusionEngine:
                     rest = text.flush()
                     yield End(i, rest.text, text.finish_reason(ev.seq.status),
                               rest.entries if sreq.logprobs is not None else None, rest.ids)
-            yield Usage(len(sreq.prompt_ids) * len(seqs), sum(t.num_tokens for t in texts))
+            yield Usage(sum(map(len, sreq.prompts)), sum(t.num_tokens for t in texts))  # each prompt once, as vLLM
         finally:
             for s in seqs:
                 if not s.status.finished:

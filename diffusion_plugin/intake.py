@@ -25,9 +25,9 @@ DEFAULT_MAX_TOKENS = 256
 
 @dataclass
 class SeqRequest:
-    """One request as the batcher sees it: its ``n`` sequences share all of this."""
+    """One request as the batcher sees it: its sequences share all of this (``n`` per prompt)."""
 
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # the prompt (completions: the first of ``prompts``)
     images: object | None  # the family's encoded images, or None
     knobs: dict  # the effective per-sequence knobs (``params.resolve``), ``seed`` included
     max_tokens: int
@@ -38,17 +38,27 @@ class SeqRequest:
     ignore_eos: bool = False  # blocks go on past EOS until max_tokens (EOS is then an ordinary token)
     grammar: object | None = None  # a structured output's compiled grammar (``diffusion_plugin.grammar``)
     raw_text: bool = False  # a parser reads the text: special tokens kept, whole tokens (``chunks.ChoiceText``)
+    more_prompts: list[list[int]] = field(default_factory=list)  # completions: the prompts after the first
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [self.prompt_ids, *self.more_prompts]
+
+    @property
+    def choices(self) -> int:
+        return self.n * len(self.prompts)
 
     def sequences(self, request_id: str, eos_token_ids: tuple[int, ...]) -> list[Sequence]:
-        """Choice i is ``<request_id>-<i>`` with seed + i."""
+        """Choice ``p * n + i`` (prompt p's choice i, indexed as vLLM indexes a list of prompts) is
+        ``<request_id>-<p * n + i>`` with seed + i."""
         knobs = dict(self.knobs)
         seed = knobs.pop("seed")
         eos_token_ids = () if self.ignore_eos else eos_token_ids
-        return [Sequence(seq_id=f"{request_id}-{i}", prompt_ids=list(self.prompt_ids),
+        return [Sequence(seq_id=f"{request_id}-{p * self.n + i}", prompt_ids=list(prompt),
                          params=SamplingParams(max_tokens=self.max_tokens, seed=seed + i, eos_token_ids=eos_token_ids,
                                                previews=self.previews, logprobs=self.logprobs, **knobs),
                          images=self.images, grammar=self.grammar)
-                for i in range(self.n)]
+                for p, prompt in enumerate(self.prompts) for i in range(self.n)]
 
 
 class Intake:
@@ -76,12 +86,12 @@ class Intake:
     async def _prepare(self, req, messages: list | None, field: str, limit_field: str, max_tokens: int | None,
                        n: int, stops: list[str], logprobs: int | None, tools: list | None = None,
                        template_kwargs: dict | None = None) -> SeqRequest:
-        images = None
+        images, more = None, []
         if messages is not None:
             messages, images = await self._images(messages)
             prompt_ids = self._prompt_ids(messages, None, tools, template_kwargs)
         else:
-            prompt_ids = self._prompt_ids(None, req.prompt)
+            prompt_ids, *more = self._completion_prompts(req.prompt)
         if images is not None:
             try:
                 prompt_ids = self.adapter.expand_image_tokens(prompt_ids, images.num_soft_tokens)
@@ -89,9 +99,29 @@ class Intake:
                 raise invalid(f"messages: {e}", "messages") from None
         knobs = P.resolve(req, self.adapter.defaults())
         max_tokens = max_tokens or DEFAULT_MAX_TOKENS
-        self._check_fits(prompt_ids, max_tokens, knobs, field, limit_field)
+        for prompt in (prompt_ids, *more):
+            self._check_fits(prompt, max_tokens, knobs, field, limit_field)
         return SeqRequest(prompt_ids, images, knobs, max_tokens, n, stops, req.diffusion.previews and req.stream,
-                          logprobs, ignore_eos=getattr(req, "ignore_eos", False))
+                          logprobs, ignore_eos=getattr(req, "ignore_eos", False), more_prompts=more)
+
+    def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
+        """Completions' ``prompt`` in every form vLLM takes: a string, a list of strings, token ids,
+        or a list of token-id lists -> one token-id list per prompt."""
+        if isinstance(prompt, str):
+            return [self._prompt_ids(None, prompt)]
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return [self._token_prompt(prompt, "prompt")]
+        if len(prompt) > P.MAX_PROMPTS:
+            raise invalid(f"prompt: at most {P.MAX_PROMPTS} prompts in one request", param="prompt")
+        return [self._prompt_ids(None, p) if isinstance(p, str) else self._token_prompt(p, f"prompt.{i}")
+                for i, p in enumerate(prompt)]
+
+    def _token_prompt(self, ids: list[int], where: str) -> list[int]:
+        vocab = len(self.adapter.tokenizer)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise invalid(f"{where}: token id {bad} is out of vocabulary (size {vocab})", param="prompt")
+        return list(ids)
 
     def _prompt_ids(self, messages: list | None, prompt: str | None, tools: list | None = None,
                     template_kwargs: dict | None = None) -> list[int]:

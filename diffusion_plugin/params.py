@@ -4,7 +4,9 @@ Every field of a request is either honoured or refused with a 400 in the OpenAI 
 ``param`` names it (``diffusion.entropy_bound``, ``top_p``...). A field is never silently ignored.
 
 Honoured (chat, completions; Responses in ``diffusion_plugin.responses``):
-- ``model``, ``messages`` (chat; text and image parts), ``prompt`` (completions; one string),
+- ``model``, ``messages`` (chat; text and image parts), ``prompt`` (completions: a string, a list
+  of strings, token ids or a list of token-id lists, as vLLM; prompt p's choice i is choice
+  ``p * n + i``, and ``usage.prompt_tokens`` counts each prompt once, whatever ``n``),
   ``max_tokens``, ``max_completion_tokens`` (chat), ``temperature`` (0..2; the end of the
   model's temperature schedule, 0 is near-greedy), ``seed``, ``stop`` (up to 4 strings), ``n``
   (1..16), ``stream``, ``stream_options.include_usage``, ``diffusion`` (the knobs below);
@@ -39,6 +41,9 @@ Refused (400, ``param`` = the field) unless given its neutral value (or null): `
 
 Determinism: ``temperature: 0`` without a ``seed`` uses seed ``GREEDY_SEED`` (0), so the same
 request gives the same answer, streamed or not; ``n`` > 1 uses seed + i for choice i.
+
+vLLM's rules, in its words (``_Base.check``): ``stream_options`` only with ``stream``, and ``n``
+must be 1 at ``temperature`` 0 (greedy sampling).
 """
 
 from __future__ import annotations
@@ -46,13 +51,15 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from tandem_core.errors import invalid
 
 GREEDY_T = 1e-4  # temperature 0 means near-greedy: both ends of the schedule this low
 GREEDY_SEED = 0  # temperature 0 without a seed: this seed (deterministic)
+GREEDY_EPS = 1e-5  # vLLM's: a temperature below it is greedy sampling (n must be 1)
 MAX_TOP_LOGPROBS = 20
+MAX_PROMPTS = 64  # completions: prompts in one request (each has ``n`` choices)
 
 # Fields accepted without effect on the output.
 HARMLESS = frozenset({"user", "metadata"})
@@ -153,6 +160,13 @@ class _Base(BaseModel):
     def stops(self) -> list[str]:
         return list(self.stop or [])
 
+    def check(self) -> None:
+        """vLLM's request rules, in vLLM's words (a 400 naming the field)."""
+        if self.stream_options and not self.stream:
+            raise invalid("Stream options can only be defined when `stream=True`.", param="stream_options")
+        if self.n > 1 and self.temperature is not None and self.temperature < GREEDY_EPS:
+            raise invalid(f"n must be 1 when using greedy sampling, got {self.n}.", param="n")
+
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
@@ -189,7 +203,14 @@ class ChatBody(_Base):
 
 
 class CompletionBody(_Base):
-    prompt: str
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, v):
+        if isinstance(v, list) and (not v or any(isinstance(p, list | str) and not p for p in v)):
+            raise ValueError("a prompt cannot be empty")
+        return v
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def top_logprobs_k(self) -> int | None:
@@ -250,6 +271,8 @@ def parse(cls: type[BaseModel], body: dict, neutral: dict[str, tuple] | None = N
         raise invalid(f"{'.'.join(loc) or field or 'body'}: {first['msg']}", param=field) from None
     if cls not in (TokenizeBody, DetokenizeBody):  # vLLM's tokenize routes ignore extra fields too
         refuse_unsupported(req.model_extra, neutral)
+    if isinstance(req, _Base):
+        req.check()
     return req
 
 

@@ -92,11 +92,27 @@ def _to_anthropic(body: bytes, status: int) -> bytes:
                                                   "message": message}}).encode()
 
 
+def client_request_id(scope) -> str | None:
+    """The client's ``X-Request-Id`` (honoured, as ``vllm serve --enable-request-id-headers``
+    does): printable ASCII without spaces, at most ``MAX_REQUEST_ID`` characters; None without
+    one. Raises a 400 naming the header for another value (it goes into logs and engine ids)."""
+    raw = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None)
+    if raw is None:
+        return None
+    if not (0 < len(raw) <= MAX_REQUEST_ID and all(0x21 <= b <= 0x7E for b in raw)):
+        raise invalid(f"x-request-id: at most {MAX_REQUEST_ID} printable ASCII characters, no spaces",
+                      param="x-request-id")
+    return raw.decode()
+
+
+MAX_REQUEST_ID = 128
+
+
 class MetricsMiddleware:
-    """Gives every request an id (``X-Request-Id``), counts it by (model, route template, status
-    class) and times generations. Outermost: refusals at the edge (401, 413, 429) count too.
-    With several gateway processes, every answer names the one that served it
-    (``X-Tandem-Gateway: <pid>``)."""
+    """Gives every request an id (``X-Request-Id``: the client's, else a new one), counts it by
+    (model, route template, status class) and times generations. Outermost: refusals at the edge
+    (401, 413, 429) count too. With several gateway processes, every answer names the one that
+    served it (``X-Tandem-Gateway: <pid>``)."""
 
     def __init__(self, app, service: Service):
         self.app = app
@@ -109,8 +125,16 @@ class MetricsMiddleware:
             return await self.app(scope, receive, send)
         t0 = now()
         status = 500
-        rid = uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid  # in every answer, and in logs of its failures
+        state = scope.setdefault("state", {})
+        try:
+            theirs = client_request_id(scope)
+        except TandemError as e:
+            theirs, refused = None, e
+        else:
+            refused = None
+        rid = theirs or uuid.uuid4().hex
+        state["request_id"] = rid  # in every answer, and in logs of its failures
+        state["request_id_from_client"] = theirs is not None
 
         async def send_wrapper(message):
             nonlocal status
@@ -121,7 +145,10 @@ class MetricsMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_wrapper)
+            if refused is not None:
+                await error_response(refused)(scope, receive, send_wrapper)
+            else:
+                await self.app(scope, receive, send_wrapper)
         finally:
             m = self.service.metrics
             model = (scope.get("state") or {}).get("tandem_model", "other")

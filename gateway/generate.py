@@ -30,6 +30,13 @@ def request_id_of(request: Request) -> str:
     return getattr(request.state, "request_id", None) or "unknown"
 
 
+def engine_request_id(request: Request, route: str) -> str:
+    """The engine's id of a request: its route and request id, plus a random suffix when the
+    client chose the id (two requests may carry the same one; an engine's ids must differ)."""
+    rid = f"{route}-{request_id_of(request)}"
+    return f"{rid}-{uuid.uuid4().hex[:8]}" if getattr(request.state, "request_id_from_client", False) else rid
+
+
 def key_name_of(request: Request) -> str:
     """For logs: the API key's configured name (never the key), when keys are on."""
     name = getattr(request.state, "tandem_key_name", None)
@@ -83,8 +90,7 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
         metrics.queue_wait.labels(model).observe(now() - waited)
         metrics.in_flight.labels(model).inc()
         release = _releaser(pool, slot, metrics, model)
-        request_id = (response_id(slot.replica.id) if route == "responses"
-                      else f"{route}-{request_id_of(request)}")
+        request_id = (response_id(slot.replica.id) if route == "responses" else engine_request_id(request, route))
         items = slot.replica.handle.generate(route, body, request_id, timeout_at)
         try:
             first = await until_disconnect(request, anext(items))

@@ -116,7 +116,7 @@ def test_offsets_are_a_function_of_the_tokens_before(tok, ids):
     offsets = TextOffsets(tok)
     assert [offsets.push(t) for t in ids] == \
         [len(tok.decode(ids[:i], skip_special_tokens=True).rstrip("\ufffd")) for i in range(len(ids))]
-    special = set(tok.all_special_ids)
+    special = {i for i, t in tok.added_tokens_decoder.items() if t.special}  # the text skips them
     joined = bytes(b for t in ids if t not in special for b in token_bytes(tok, t))
     assert joined.decode("utf-8", errors="replace") == tok.decode(ids, skip_special_tokens=True)
 
@@ -158,3 +158,49 @@ def test_streamed_tool_calls_across_blocks_equal_the_whole_answers(tok, shift):
             finish = ch["finish_reason"] or finish
     assert [(name, json.loads(args)) for _, (name, args) in sorted(calls.items())] == expected
     assert finish == "tool_calls"
+
+
+# -- completions' prompt forms, usage and vLLM's rules (the same scripted runner) ----------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_take_every_prompt_form_with_choices_indexed_as_vllm(tok, stream):
+    """A string, a list of strings, token ids and a list of token-id lists; prompt p's choice i is
+    choice p * n + i, and the prompt tokens count each prompt once."""
+    script = tok("hello there", add_special_tokens=False).input_ids
+    forms = {"one": "ab", "strings": ["ab", "cd e", "f"], "ids": [40, 41, 42], "id lists": [[40, 41], [42]]}
+    lengths = {"one": [len(tok("ab").input_ids)], "strings": [len(tok(p).input_ids) for p in ("ab", "cd e", "f")],
+               "ids": [3], "id lists": [2, 1]}
+    for name, prompt in forms.items():
+        body = {"model": "m", "prompt": prompt, "n": 2, "max_tokens": 4, "seed": 1, "stream": stream,
+                **({"stream_options": {"include_usage": True}} if stream else {})}
+        (items,) = serve(tok, script, [("completions", body)])
+        if stream:
+            chunks = payloads(items)
+            indexes = {ch["index"] for c in chunks for ch in c["choices"]}
+            usage = chunks[-1]["usage"]
+        else:
+            indexes = {ch["index"] for ch in items[0]["choices"]}
+            usage = items[0]["usage"]
+        assert indexes == set(range(2 * len(lengths[name]))), (name, indexes)
+        assert usage["prompt_tokens"] == sum(lengths[name]), (name, usage)
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"prompt": [40, 99999]}, "prompt", "out of vocabulary"),
+    ({"prompt": []}, "prompt", "cannot be empty"),
+    ({"prompt": ["a", ""]}, "prompt", "cannot be empty"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "only be defined when `stream=True`"),
+    ({"prompt": "a", "n": 2, "temperature": 0}, "n", "n must be 1 when using greedy sampling, got 2."),
+])
+def test_completions_refusals_name_the_field(tok, body, param, words):
+    (items,) = serve(tok, [40], [("completions", {"model": "m", "max_tokens": 2, **body})])
+    err = items[0]
+    assert err.param == param and words in err.message, err
+
+
+def test_chat_usage_counts_the_prompt_once_whatever_n(tok):
+    body = {"model": "m", "messages": [{"role": "user", "content": "p"}], "max_tokens": 4, "seed": 1}
+    (one,), (two,) = serve(tok, [40, 41, 42, 43], [("chat", body), ("chat", {**body, "n": 2})])
+    assert one["usage"]["prompt_tokens"] == two["usage"]["prompt_tokens"] > 0
+    assert two["usage"]["completion_tokens"] == 2 * one["usage"]["completion_tokens"]

@@ -147,3 +147,19 @@ def test_cors_is_off_by_default_and_configurable(secured):
         assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "https://app.example"
         other = httpx.options(cors_url + "/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})
         assert other.headers.get("access-control-allow-origin") != "https://evil.example"
+
+
+def test_a_clients_request_id_is_echoed_and_reaches_the_engine():
+    with fake_gateway({"num_tokens": 2}) as (url, _, dep):
+        engine = next(iter(dep.engines.values()))
+        for _ in range(2):  # the same id twice: the engine's ids still differ
+            r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "x"},
+                           headers={"x-request-id": "client-id.42"})
+            assert r.status_code == 200 and r.headers["x-request-id"] == "client-id.42"
+        ours = [rid for rid in engine.served if "client-id.42" in rid]
+        assert len(ours) == 2 and len(set(ours)) == 2
+        r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "x"})
+        assert r.status_code == 200 and len(r.headers["x-request-id"]) == 32  # one of ours
+        for bad in ("has space", "x" * 129):
+            r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "x"}, headers={"x-request-id": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-id", r.text
