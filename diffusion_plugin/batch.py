@@ -27,6 +27,8 @@ class RowOutput:
     # With block_done, for a sequence that asked for logprobs: per position of the block, the
     # committed token's logprob and the top k (token id, logprob) pairs, most probable first.
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # A score block's read (``request.BlockPlan.scoring``): a ``request.Score`` per position.
+    scores: list | None = None
 
 
 @dataclass

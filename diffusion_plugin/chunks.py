@@ -63,6 +63,17 @@ class End:
 
 
 @dataclass
+class Prompt:
+    """A choice's prompt, before its output: completions' ``echo`` text and (with logprobs) its
+    entries (the first token's logprob None), and vLLM's ``prompt_logprobs`` list."""
+
+    index: int
+    text: str
+    entries: list | None = None
+    prompt_logprobs: list | None = None
+
+
+@dataclass
 class Usage:
     """The request's token counts; the last event of a request that did not fail."""
 
@@ -70,7 +81,7 @@ class Usage:
     completion_tokens: int
 
 
-Event = Preview | Delta | End | Usage
+Event = Preview | Prompt | Delta | End | Usage
 
 
 class Released(NamedTuple):
@@ -90,9 +101,11 @@ class ChoiceText:
     (as vLLM's parsers set ``skip_special_tokens=False``) and only whole tokens are released,
     each delta with the ids of exactly its tokens, so the parser's text and ids agree."""
 
-    def __init__(self, tokenizer, stops: list[str], raw: bool = False):
+    def __init__(self, tokenizer, stops: list[str], raw: bool = False, min_tokens: int = 0):
         self.tok = tokenizer
         self.stops = stops
+        self.min_tokens = min_tokens  # vLLM's: no stop string ends within the first min_tokens tokens' text
+        self._floor: int | None = None if min_tokens else 0
         self.raw = raw
         self.ids: list[int] = []
         self.text = ""
@@ -113,8 +126,10 @@ class ChoiceText:
             return Released("", True, [] if logprobs is not None else None, [] if self.raw else None)
         self.ids.extend(new_ids)
         self.text = self.tok.decode(self.ids, skip_special_tokens=not self.raw)
-        for stop in self.stops:
-            at = self.text.find(stop)
+        if self._floor is None and len(self.ids) > self.min_tokens:
+            self._floor = len(self.tok.decode(self.ids[:self.min_tokens], skip_special_tokens=not self.raw))
+        for stop in self.stops if self._floor is not None else ():
+            at = self.text.find(stop, max(0, self._floor - len(stop) + 1))
             if at != -1:
                 self.text = self.text[:at]
                 self.stopped = True
@@ -208,6 +223,7 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
     ids: list[list[int]] = [[] for _ in range(n)]
     entries: list[list] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
+    prompt_lps: list = [None] * n
     usage = None
 
     def chunk(index, delta, finish=None, extra=None, logprobs=None) -> str:
@@ -232,6 +248,13 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
         async for ev in events:
             if isinstance(ev, Preview):
                 yield chunk(ev.index, {}, extra={"diffusion_preview": ev.preview})
+            elif isinstance(ev, Prompt):  # completions' echo (chat: prompt_logprobs only)
+                texts[ev.index] += ev.text
+                entries[ev.index].extend(ev.entries or [])
+                prompt_lps[ev.index] = ev.prompt_logprobs
+                if stream and (ev.text or ev.entries):
+                    lp = None if ev.entries is None else logprobs_object(tokenizer, ev.entries, k, chat)
+                    yield chunk(ev.index, {"content": ev.text}, logprobs=lp)
             elif isinstance(ev, Delta):
                 texts[ev.index] += ev.text
                 ids[ev.index] += ev.ids or []
@@ -287,8 +310,13 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
             out = {"message": {"role": "assistant", "content": texts[i]}} if chat else {"text": texts[i]}
         lp = None if k is None else logprobs_object(tokenizer, entries[i], k, chat)
         choices.append({"index": i, **out, "logprobs": lp, "finish_reason": finish_reason(i, finish[i])})
-    yield {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-           "model": model, "choices": choices, "usage": usage}
+        if prompt_lps[i] is not None and not chat:  # vLLM's: per choice on completions
+            choices[-1]["prompt_logprobs"] = prompt_lps[i]
+    answer = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+              "model": model, "choices": choices, "usage": usage}
+    if chat and prompt_lps[0] is not None:  # vLLM's: once per chat response
+        answer["prompt_logprobs"] = prompt_lps[0]
+    yield answer
 
 
 def logprobs_object(tok, entries: list[Entry], k: int, chat: bool) -> dict:
@@ -301,6 +329,9 @@ def logprobs_object(tok, entries: list[Entry], k: int, chat: bool) -> dict:
                             for e in entries], "refusal": None}
     tops = []
     for e in entries:
+        if e.logprob is None:  # an echoed prompt's first token: nothing before it to score it by
+            tops.append(None)
+            continue
         d: dict[str, float] = {}
         for i, v in [(e.token_id, e.logprob), *e.top[:k]]:  # the chosen token is always there, as on vLLM;
             d.setdefault(token_string(tok, i), v)  # tokens with one string (partial characters): the first

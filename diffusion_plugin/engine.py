@@ -23,7 +23,7 @@ from contextlib import aclosing
 from typing import Any
 
 from diffusion_plugin import params as P
-from diffusion_plugin.chunks import ChoiceText, Delta, End, Event, Preview, Usage, openai_items
+from diffusion_plugin.chunks import ChoiceText, Delta, End, Entry, Event, Preview, Prompt, Usage, openai_items
 from diffusion_plugin.engine_args import DiffusionEngineArgs
 from diffusion_plugin.intake import Intake, SeqRequest
 from diffusion_plugin.loop import DiffusionLoop, EventKind
@@ -40,6 +40,7 @@ from diffusion_plugin.parsing import Parsers
 from diffusion_plugin.request import SeqStatus
 from diffusion_plugin.scheduler import Scheduler
 from diffusion_plugin.structured import Structured, resolve, wanted, warm_structured
+from diffusion_plugin.token_text import TextOffsets, token_string
 from tandem_core.errors import ErrorKind, TandemError, invalid
 from tandem_core.protocol import EngineInfo, EngineStats, Item
 
@@ -155,6 +156,12 @@ class DiffusionEngine:
                 structured, grammar = await self.constraint(body, "completions")
                 sreq = await self.intake.completion(req)
             sreq.grammar = grammar
+            if grammar is not None:
+                clash = next((f for f in ("seed_canvas", "min_tokens") if sreq.sampling.get(f)), None)
+                if clash is not None:
+                    param = "diffusion.seed_canvas" if clash == "seed_canvas" else clash
+                    raise invalid(f"{param}: not served with a structured output on diffusion models (the "
+                                  f"grammar decides every token)", param=param)
         except TandemError as e:
             yield e
             return
@@ -210,7 +217,10 @@ class DiffusionEngine:
         early (the client left), it aborts whatever of its sequences still runs."""
         seqs = sreq.sequences(request_id, self.adapter.eos_token_ids)
         index = {s.seq_id: i for i, s in enumerate(seqs)}
-        texts = [ChoiceText(self.adapter.tokenizer, sreq.stops, raw=sreq.raw_text) for _ in seqs]
+        texts = [ChoiceText(self.adapter.tokenizer, sreq.stops, raw=sreq.raw_text, min_tokens=sreq.sampling.get(
+            "min_tokens", 0)) for _ in seqs]
+        prompts = [sreq.prompts[i // sreq.n] if (sreq.echo or sreq.prompt_logprobs) else None for i in range(len(seqs))]
+        shift = [0] * len(seqs)  # echo: the prompt's text comes first, so the output's offsets move by it
         self._requests[request_id] = list(index)
         try:
             queue = self.loop.submit(*seqs)
@@ -219,6 +229,11 @@ class DiffusionEngine:
                 ev = await queue.get()
                 i = index[ev.seq.seq_id]
                 text = texts[i]
+                if prompts[i] is not None and ev.kind is not EventKind.PREVIEW and ev.seq.status not in (
+                        SeqStatus.FINISHED_ERROR, SeqStatus.FINISHED_ABORTED):  # scored by now
+                    first = prompt_event(self.adapter.tokenizer, i, prompts[i], ev.seq, sreq)
+                    prompts[i], shift[i] = None, len(first.text)
+                    yield first
                 if ev.kind is EventKind.PREVIEW:
                     if sreq.previews:
                         yield Preview(i, {"block": ev.seq.block, "step": ev.step,
@@ -229,14 +244,14 @@ class DiffusionEngine:
                     if out.stopped:
                         self.loop.abort(ev.seq.seq_id, SeqStatus.FINISHED_STOPPED)
                     if out.text or out.entries or out.ids:
-                        yield Delta(i, out.text, out.entries, out.ids)
+                        yield Delta(i, out.text, _shifted(out.entries, shift[i]), out.ids)
                 else:
                     left -= 1
                     if ev.seq.status is SeqStatus.FINISHED_ERROR:
                         raise TandemError(ErrorKind.ENGINE_ERROR, f"the diffusion batch failed: {ev.seq.error}")
                     rest = text.flush()
                     yield End(i, rest.text, text.finish_reason(ev.seq.status),
-                              rest.entries if sreq.logprobs is not None else None, rest.ids)
+                              _shifted(rest.entries, shift[i]) if sreq.logprobs is not None else None, rest.ids)
             yield Usage(sum(map(len, sreq.prompts)), sum(t.num_tokens for t in texts))  # each prompt once, as vLLM
         finally:
             for s in seqs:
@@ -299,6 +314,32 @@ class DiffusionEngine:
     async def shutdown(self) -> None:
         if self.loop is not None:
             await self.loop.stop()
+
+
+def prompt_event(tok, index: int, ids: list[int], seq, sreq: SeqRequest) -> Prompt:
+    """A choice's prompt (echo, prompt_logprobs), from its sequence's scores (``Sequence.scores``:
+    every prompt token but the first, which has none, as on vLLM)."""
+    scored = sreq.score_k is not None
+    if scored and len(seq.scores) != len(ids) - 1:
+        raise TandemError(ErrorKind.ENGINE_ERROR, f"bug: {len(seq.scores)} scores for a {len(ids)}-token prompt")
+    text = tok.decode(ids, skip_special_tokens=True) if sreq.echo else ""
+    entries = None
+    if sreq.echo and scored and sreq.logprobs is not None:
+        offsets = TextOffsets(tok)
+        entries = [Entry(ids[0], None, None, offsets.push(ids[0]))]
+        entries += [Entry(t, sc.logprob, sc.top, offsets.push(t)) for t, sc in zip(ids[1:], seq.scores, strict=True)]
+    plp = None
+    if sreq.prompt_logprobs:
+        k = sreq.score_k
+        plp = [None] + [{str(t): {"logprob": sc.logprob, "rank": sc.rank, "decoded_token": token_string(tok, t)},
+                         **{str(i): {"logprob": v, "rank": r, "decoded_token": token_string(tok, i)}
+                            for r, (i, v) in enumerate(sc.top[:k], 1) if i != t}}
+                        for t, sc in zip(ids[1:], seq.scores, strict=True)]
+    return Prompt(index, text, entries, plp)
+
+
+def _shifted(entries: list | None, by: int) -> list | None:
+    return entries if not by or not entries else [e._replace(offset=e.offset + by) for e in entries]
 
 
 def _validated(engine_args: dict[str, Any]) -> DiffusionEngineArgs:

@@ -39,6 +39,10 @@ class SeqRequest:
     grammar: object | None = None  # a structured output's compiled grammar (``diffusion_plugin.grammar``)
     raw_text: bool = False  # a parser reads the text: special tokens kept, whole tokens (``chunks.ChoiceText``)
     more_prompts: list[list[int]] = field(default_factory=list)  # completions: the prompts after the first
+    sampling: dict = field(default_factory=dict)  # vLLM's sampling fields (``params._Base.sampling_fields``)
+    score_k: int | None = None  # prompt scoring (echo with logprobs, prompt_logprobs): the top k, else None
+    echo: bool = False  # completions: the prompt's text (and with scoring its entries) first
+    prompt_logprobs: bool = False  # vLLM's ``prompt_logprobs`` in the answer
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -54,10 +58,13 @@ class SeqRequest:
         knobs = dict(self.knobs)
         seed = knobs.pop("seed")
         eos_token_ids = () if self.ignore_eos else eos_token_ids
-        return [Sequence(seq_id=f"{request_id}-{p * self.n + i}", prompt_ids=list(prompt),
+        scoring = self.score_k is not None  # the first token encoded, the rest read in score blocks
+        return [Sequence(seq_id=f"{request_id}-{p * self.n + i}", prompt_ids=list(prompt[:1] if scoring else prompt),
                          params=SamplingParams(max_tokens=self.max_tokens, seed=seed + i, eos_token_ids=eos_token_ids,
-                                               previews=self.previews, logprobs=self.logprobs, **knobs),
-                         images=self.images, grammar=self.grammar)
+                                               previews=self.previews, logprobs=self.logprobs,
+                                               **self.sampling, **knobs),
+                         images=self.images, grammar=self.grammar, score_ids=list(prompt[1:]) if scoring else [],
+                         score_k=self.score_k or 0)
                 for p, prompt in enumerate(self.prompts) for i in range(self.n)]
 
 
@@ -98,11 +105,58 @@ class Intake:
             except ValueError as e:
                 raise invalid(f"messages: {e}", "messages") from None
         knobs = P.resolve(req, self.adapter.defaults())
-        max_tokens = max_tokens or DEFAULT_MAX_TOKENS
+        max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        ignore_eos = getattr(req, "ignore_eos", False)
+        sampling = req.sampling_fields() if hasattr(req, "sampling_fields") else {}
+        if hasattr(req, "sampling_fields"):
+            sampling.update(self._canvas_controls(req.diffusion))
+            self._check_sampling(sampling)
+            if req.diffusion.read_only:  # one pass over the first block, its argmax returned as is
+                knobs["max_denoising_steps"] = 1
+                max_tokens, ignore_eos = self.adapter.canvas_length, True
+                logprobs = 0 if logprobs is None else logprobs
+        score_k = req.scoring_k() if hasattr(req, "scoring_k") else None
+        if score_k is not None and images is not None:
+            raise invalid("prompt_logprobs: not served with image input on diffusion models", param="prompt_logprobs")
         for prompt in (prompt_ids, *more):
             self._check_fits(prompt, max_tokens, knobs, field, limit_field)
         return SeqRequest(prompt_ids, images, knobs, max_tokens, n, stops, req.diffusion.previews and req.stream,
-                          logprobs, ignore_eos=getattr(req, "ignore_eos", False), more_prompts=more)
+                          logprobs, ignore_eos=ignore_eos, more_prompts=more, sampling=sampling, score_k=score_k,
+                          echo=bool(getattr(req, "echo", False)), prompt_logprobs=req.prompt_logprobs is not None
+                          if hasattr(req, "prompt_logprobs") else False)
+
+    def _canvas_controls(self, d: P.DiffusionKnobs) -> dict:
+        """``diffusion``'s canvas controls -> ``SamplingParams``' ``seed_canvas`` and ``pinned``."""
+        C = self.adapter.canvas_length
+        if d.canvas_length is not None and d.canvas_length != C:
+            raise invalid(f"diffusion.canvas_length: only this model's canvas ({C}) is served: one decoder "
+                          f"forward runs one canvas width for its whole batch", param="diffusion.canvas_length")
+        if d.seed_canvas is None:
+            return {}
+        if isinstance(d.seed_canvas, str):
+            seed = self.adapter.tokenizer(d.seed_canvas, add_special_tokens=False).input_ids
+        else:
+            seed = self._token_prompt(d.seed_canvas, "diffusion.seed_canvas", "diffusion.seed_canvas")
+        if not seed or len(seed) > C:
+            raise invalid(f"diffusion.seed_canvas: 1 to {C} tokens (the canvas), got {len(seed)}",
+                          param="diffusion.seed_canvas")
+        pinned = sorted(set(d.pinned or []))
+        bad = next((j for j in pinned if not 0 <= j < len(seed)), None)
+        if bad is not None:
+            raise invalid(f"diffusion.pinned: position {bad} is outside the seed canvas (0..{len(seed) - 1})",
+                          param="diffusion.pinned")
+        return {"seed_canvas": tuple(seed), "pinned": tuple(pinned)}
+
+    def _check_sampling(self, sampling: dict) -> None:
+        allowed = sampling.get("allowed_token_ids")
+        if allowed is None:
+            return
+        vocab = self.adapter.vocab_size
+        if any(not 0 <= t < vocab for t in allowed):
+            raise invalid("allowed_token_ids contains out-of-vocab token id!", param="allowed_token_ids")
+        eos = set(self.adapter.eos_token_ids)
+        if sampling.get("min_tokens") and set(allowed) <= eos:
+            raise invalid("allowed_token_ids: only EOS ids, which min_tokens refuses", param="allowed_token_ids")
 
     def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
         """Completions' ``prompt`` in every form vLLM takes: a string, a list of strings, token ids,
@@ -116,11 +170,11 @@ class Intake:
         return [self._prompt_ids(None, p) if isinstance(p, str) else self._token_prompt(p, f"prompt.{i}")
                 for i, p in enumerate(prompt)]
 
-    def _token_prompt(self, ids: list[int], where: str) -> list[int]:
+    def _token_prompt(self, ids: list[int], where: str, param: str = "prompt") -> list[int]:
         vocab = len(self.adapter.tokenizer)
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise invalid(f"{where}: token id {bad} is out of vocabulary (size {vocab})", param="prompt")
+            raise invalid(f"{where}: token id {bad} is out of vocabulary (size {vocab})", param=param)
         return list(ids)
 
     def _prompt_ids(self, messages: list | None, prompt: str | None, tools: list | None = None,

@@ -65,10 +65,9 @@ MAX_PROMPTS = 64  # completions: prompts in one request (each has ``n`` choices)
 HARMLESS = frozenset({"user", "metadata"})
 # field -> the values that mean "off" (accepted; anything else is refused). None is always off.
 NEUTRAL: dict[str, tuple] = {
-    "top_p": (1, 1.0), "top_k": (-1, 0), "min_p": (0,), "frequency_penalty": (0,), "presence_penalty": (0,),
-    "repetition_penalty": (1,), "logit_bias": ({},), "min_tokens": (0,), "best_of": (1,), "echo": (False,),
-    "suffix": ("",), "functions": ([],), "function_call": ("none",), "store": (False,), "service_tier": ("auto",),
-    "modalities": (["text"],), "prediction": (), "audio": (),
+    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "best_of": (1,), "suffix": ("",), "functions": ([],), "function_call": ("none",), "store": (False,),
+    "service_tier": ("auto",), "modalities": (["text"],), "prediction": (), "audio": (),
     "reasoning_effort": (), "web_search_options": (),
 }
 
@@ -102,6 +101,19 @@ class DiffusionKnobs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # The canvas controls of vllm#57250 (the first generated block).
+    seed_canvas: str | list[StrictInt] | None = Field(None, description="The first generated block's starting "
+                                                      "canvas: token ids, or text (tokenized without special "
+                                                      "tokens), at most the canvas length; the positions after it "
+                                                      "start as noise.")
+    pinned: list[StrictInt] | None = Field(None, description="Canvas positions (0-based, each within seed_canvas) "
+                                           "held to their seed tokens at every step: they are committed as given.")
+    canvas_length: int | None = Field(None, ge=1, description="The canvas width; only the model's own is served "
+                                      "(the batched decoder forward runs one width).")
+    read_only: bool = Field(False, description="One decoder pass over the first block (the seed canvas and "
+                            "noise), nothing committed: the answer is that pass's argmax canvas (canvas length "
+                            "tokens, finish 'length', EOS kept) with each position's logprob.")
+
     previews: bool = Field(False, description="Stream preview chunks (the current block's argmax canvas, "
                            "replacing the previous preview of that block) between committed blocks.")
     max_denoising_steps: int | None = Field(None, ge=1, le=1024, description="Denoising steps per block at most; "
@@ -121,6 +133,9 @@ class DiffusionKnobs(BaseModel):
                                 description="Sampling temperature at the block's first step.")
 
 
+CANVAS_CONTROLS = frozenset({"seed_canvas", "pinned", "canvas_length", "read_only"})  # the intake's
+
+
 def knobs_schema() -> dict[str, Any]:
     """The JSON Schema of the ``diffusion`` request object: the diffusion engine's request schema,
     which the gateway's OpenAPI document embeds as is (one source: the two cannot drift). A null
@@ -138,7 +153,14 @@ class _Base(BaseModel):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # vLLM's range (int64)
+    # vLLM's sampling fields (``diffusion_plugin.filters``)
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    allowed_token_ids: list[StrictInt] | None = None
+    prompt_logprobs: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
@@ -166,6 +188,43 @@ class _Base(BaseModel):
             raise invalid("Stream options can only be defined when `stream=True`.", param="stream_options")
         if self.n > 1 and self.temperature is not None and self.temperature < GREEDY_EPS:
             raise invalid(f"n must be 1 when using greedy sampling, got {self.n}.", param="n")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise invalid(f"top_p must be in (0, 1], got {self.top_p}.", param="top_p")
+        if self.top_k is not None and self.top_k < -1:
+            raise invalid(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.", param="top_k")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise invalid(f"min_p must be in [0, 1], got {self.min_p}.", param="min_p")
+        if self.min_tokens < 0:
+            raise invalid(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.",
+                          param="min_tokens")
+        limit = self.output_limit()
+        if limit is not None and self.min_tokens > limit:
+            raise invalid(f"min_tokens must be less than or equal to max_tokens={limit}, got {self.min_tokens}.",
+                          param="min_tokens")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise invalid("allowed_token_ids is not None and empty!", param="allowed_token_ids")
+        if self.prompt_logprobs is not None:
+            if self.stream and (self.prompt_logprobs > 0 or self.prompt_logprobs == -1):
+                raise invalid("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+            if self.prompt_logprobs < 0 and self.prompt_logprobs != -1:
+                raise invalid("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
+            if self.prompt_logprobs > MAX_TOP_LOGPROBS or self.prompt_logprobs == -1:
+                raise invalid(f"prompt_logprobs: at most {MAX_TOP_LOGPROBS} on diffusion models",
+                              param="prompt_logprobs")
+        d = self.diffusion
+        if d.pinned and d.seed_canvas is None:
+            raise invalid("diffusion.pinned: needs diffusion.seed_canvas", param="diffusion.pinned")
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The ``request.SamplingParams`` fields of vLLM's sampling knobs (off when not given)."""
+        return {"top_k": max(0, self.top_k or 0), "top_p": 1.0 if self.top_p is None else self.top_p,
+                "min_p": self.min_p or 0.0, "min_tokens": self.min_tokens,
+                "allowed_token_ids": None if self.allowed_token_ids is None else tuple(self.allowed_token_ids)}
+
+    def scoring_k(self) -> int | None:
+        """Prompt scoring wanted (``prompt_logprobs``; completions' ``echo`` with ``logprobs``): its
+        top k, else None."""
+        return self.prompt_logprobs
 
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
@@ -204,6 +263,18 @@ class ChatBody(_Base):
 
 class CompletionBody(_Base):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt alone (its scores)
+    echo: bool | None = False
+
+    def check(self) -> None:
+        super().check()
+        if self.max_tokens == 0 and not self.echo:
+            raise invalid("max_tokens must be at least 1, got 0.", param="max_tokens")
+
+    def scoring_k(self) -> int | None:
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs  # vLLM's: echo scores the prompt with logprobs' k
+        return self.prompt_logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -268,7 +339,8 @@ def parse(cls: type[BaseModel], body: dict, neutral: dict[str, tuple] | None = N
         field = ".".join(p for p in loc if not p.isdigit()) or None
         if first["type"] == "value_error" and not loc and "top_logprobs" in first["msg"]:
             field = "top_logprobs"
-        raise invalid(f"{'.'.join(loc) or field or 'body'}: {first['msg']}", param=field) from None
+        kind = f" [type={first['type']}]" if first["type"] in _BOUNDS else ""  # as vLLM's, naming the bound
+        raise invalid(f"{'.'.join(loc) or field or 'body'}: {first['msg']}{kind}", param=field) from None
     if cls not in (TokenizeBody, DetokenizeBody):  # vLLM's tokenize routes ignore extra fields too
         refuse_unsupported(req.model_extra, neutral)
     if isinstance(req, _Base):
@@ -276,9 +348,12 @@ def parse(cls: type[BaseModel], body: dict, neutral: dict[str, tuple] | None = N
     return req
 
 
+_BOUNDS = frozenset({"less_than_equal", "less_than", "greater_than_equal", "greater_than"})
+
+
 def resolve(req: BaseModel, defaults: dict[str, Any]) -> dict[str, Any]:
     """The effective per-sequence knobs: the request's, else the model's generation config."""
-    knobs = {k: v for k, v in req.diffusion.model_dump(exclude={"previews"}).items() if v is not None}
+    knobs = {k: v for k, v in req.diffusion.model_dump(exclude=CANVAS_CONTROLS | {"previews"}).items() if v is not None}
     merged = {**defaults, **knobs}
     if req.temperature is not None and "t_min" not in knobs and "t_max" not in knobs:
         if req.temperature == 0:
@@ -290,7 +365,7 @@ def resolve(req: BaseModel, defaults: dict[str, Any]) -> dict[str, Any]:
     if merged["t_min"] > merged["t_max"]:
         raise invalid("diffusion.t_min must not exceed diffusion.t_max", param="diffusion.t_min")
     if req.seed is not None:
-        merged["seed"] = req.seed
+        merged["seed"] = req.seed % 2**62  # a generator's and the hash's seed (choice i: seed + i)
     elif req.temperature == 0:
         merged["seed"] = GREEDY_SEED
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class SeqStatus(enum.IntEnum):
@@ -48,6 +49,47 @@ class SamplingParams:
     # None: no logprobs (no extra work); k: each committed token's logprob and the top k
     # (``diffusion_plugin.params`` defines them).
     logprobs: int | None = None
+    # vLLM's sampling fields (``diffusion_plugin.filters``): off at these values.
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    allowed_token_ids: tuple[int, ...] | None = None
+    min_tokens: int = 0  # EOS refused at output positions below it
+    # The canvas controls (vllm#57250) of the first generated block: seed tokens at its first
+    # positions (the rest is noise) and the positions held to them.
+    seed_canvas: tuple[int, ...] = ()
+    pinned: tuple[int, ...] = ()
+
+    def filtered(self, produced: int) -> bool:
+        """Whether ``diffusion_plugin.filters`` has work for a block starting ``produced`` tokens in."""
+        return (self.top_k > 0 or self.top_p < 1 or self.min_p > 0 or self.allowed_token_ids is not None
+                or (self.min_tokens > produced and bool(self.eos_token_ids)))
+
+
+SCORE_SEED = 0  # a score block's noise positions (after a partial block's tokens) draw from this seed
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """How one block starts and ends (``Sequence.plan``). A generated block: ``steps`` denoise
+    steps from noise, or from the seed canvas with pinned positions. A score block (echo,
+    ``prompt_logprobs``): one read pass at temperature 1 of prompt tokens pinned on the canvas
+    (noise after a partial block's tokens, from ``SCORE_SEED``), committing those ``width`` tokens."""
+
+    steps: int
+    seed: tuple[int, ...] = ()
+    pinned: tuple[int, ...] = ()
+    width: int | None = None  # tokens committed (None: the whole canvas)
+    scoring: bool = False
+
+
+class Score(NamedTuple):
+    """A prompt token's score (a score block's read): its logprob, its rank in the distribution
+    (1: the most probable) and the top (id, logprob) pairs, most probable first."""
+
+    logprob: float
+    rank: int
+    top: list
 
 
 @dataclass
@@ -69,8 +111,31 @@ class Sequence:
     # A structured output's compiled grammar (xgrammar's CompiledGrammar; opaque here): the
     # runner keeps a matcher per sequence over it (``diffusion_plugin.grammar``).
     grammar: object | None = None
+    # Scoring (echo with logprobs, prompt_logprobs): the prompt tokens after ``prompt_ids`` read in
+    # score blocks before any generation, with the top ``score_k``; their ``Score``s, in order.
+    score_ids: list[int] = field(default_factory=list)
+    score_k: int = 0
+    scores: list = field(default_factory=list)
+
+    def score_blocks(self, canvas: int) -> int:
+        return -(-len(self.score_ids) // canvas)
+
+    def plan(self, canvas: int) -> BlockPlan:
+        """The plan of the block that starts now (after ``block`` committed blocks)."""
+        if self.block < self.score_blocks(canvas):
+            tokens = tuple(self.score_ids[self.block * canvas:(self.block + 1) * canvas])
+            return BlockPlan(steps=1, seed=tokens, pinned=tuple(range(len(tokens))), width=len(tokens),
+                             scoring=True)
+        if self.block == self.score_blocks(canvas) and self.params.seed_canvas:
+            return BlockPlan(self.params.max_denoising_steps, self.params.seed_canvas, self.params.pinned)
+        return BlockPlan(self.params.max_denoising_steps)
+
+    @property
+    def prompt_len(self) -> int:
+        """The whole prompt: encoded at once, or its first part then its score blocks."""
+        return len(self.prompt_ids) + len(self.score_ids)
 
     @property
     def num_cached(self) -> int:
         """Tokens the sequence's cache holds once its pending encoder pass has run."""
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.score_ids) + len(self.output_ids)

@@ -57,7 +57,8 @@ class ResponsesBody(BaseModel):
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # vLLM's range (int64)
+    top_p: float | None = Field(None, gt=0, le=1)  # vLLM's sampling field (``diffusion_plugin.filters``)
     stream: bool = False
     text: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's (not with text.format)
@@ -66,10 +67,13 @@ class ResponsesBody(BaseModel):
     parallel_tool_calls: bool | None = None
     diffusion: P.DiffusionKnobs = Field(default_factory=P.DiffusionKnobs)
 
+    def sampling_fields(self) -> dict[str, Any]:
+        return {"top_p": 1.0 if self.top_p is None else self.top_p}
+
 
 NEUTRAL: dict[str, tuple] = {
     "store": (False,), "background": (False,), "previous_response_id": (), "conversation": (), "reasoning": (),
-    "include": ([],), "top_p": (1,), "top_logprobs": (), "truncation": ("disabled",), "max_tool_calls": (),
+    "include": ([],), "top_logprobs": (), "truncation": ("disabled",), "max_tool_calls": (),
     "prompt": (), "service_tier": ("auto",),
 }
 

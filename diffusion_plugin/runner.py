@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,8 +36,9 @@ from diffusion_plugin.attention import FAST
 from diffusion_plugin.batch import RowOutput, StepBatch, StepOutput
 from diffusion_plugin.families import diffusiongemma_moe as moe
 from diffusion_plugin.families import diffusiongemma_vocab as vocab
+from diffusion_plugin.families.diffusiongemma_vocab import Pins
 from diffusion_plugin.kv_view import FastViews, KVPool, release
-from diffusion_plugin.request import Sequence
+from diffusion_plugin.request import SCORE_SEED, BlockPlan, SamplingParams, Sequence
 
 SAMPLERS = ("exact", "fast")
 # Streams of the fast mode's hash draws (_GRAMMAR: a constrained row's redraws, ``grammar``).
@@ -58,6 +59,14 @@ class _Row:
     version: int = 0  # bumped when the cache changes
     images: object | None = None  # this sequence's own image features, until its prompt pass
     grammar: object | None = None  # a constrained sequence's ``grammar.RowGrammar``
+    plan: BlockPlan | None = None  # the current block's (``Sequence.plan``)
+    bp: SamplingParams | None = None  # the knobs of the current block (a score block's: a plain read)
+    pins: Pins | None = None  # the current block's pinned positions
+
+    @property
+    def constrained(self):
+        """The grammar, in a generated block (score blocks read prompt tokens: no grammar)."""
+        return None if self.plan is not None and self.plan.scoring else self.grammar
 
 
 class Runner:
@@ -158,6 +167,7 @@ class Runner:
             row.cur_len += row.pending.shape[1]
             row.version += 1
             row.pending = None
+            self._plan(row)
             row.canvas = self._init_canvas(row)
             row.soft, row.history = None, None
         out = StepOutput()
@@ -202,13 +212,20 @@ class Runner:
 
     # -- 3./4. the vocab-wide head, the sampler, the decisions ------------------------------
     def _sample(self, rows: list[_Row], hidden: torch.Tensor) -> list[RowOutput]:
-        steps_left = [r.seq.params.max_denoising_steps - r.seq.step for r in rows]
+        steps_left = [r.bp.max_denoising_steps - r.seq.step for r in rows]
         if self.sampler == "fast":
-            sampled, argmax, entropy, renoise, soft, tops = self._fast(rows, hidden, steps_left)
+            sampled, argmax, entropy, renoise, soft, tops, scores = self._fast(rows, hidden, steps_left)
         else:
-            sampled, argmax, entropy, renoise, soft, tops = self._exact(rows, hidden, steps_left)
+            sampled, argmax, entropy, renoise, soft, tops, scores = self._exact(rows, hidden, steps_left)
+        for b, r in enumerate(rows):  # pinned positions hold their tokens, with certainty
+            if r.pins is not None:
+                pos = torch.tensor(r.pins.positions, dtype=torch.long, device=argmax.device)
+                tok = torch.tensor(r.pins.tokens, dtype=argmax.dtype, device=argmax.device)
+                argmax[b, pos] = tok
+                sampled[b, pos] = tok.to(sampled.dtype)
+                entropy[b, pos] = 0.0
         canvas = torch.cat([r.canvas for r in rows])
-        bounds = torch.tensor([r.seq.params.entropy_bound for r in rows], dtype=entropy.dtype,
+        bounds = torch.tensor([r.bp.entropy_bound for r in rows], dtype=entropy.dtype,
                               device=entropy.device).unsqueeze(-1)
         # Entropy-bound acceptance (HF's expressions), all rows at once: sorts and cumsums are per row.
         sorted_entropy, sorted_idx = torch.sort(entropy, dim=-1, descending=False)
@@ -216,20 +233,20 @@ class Runner:
         accepted = torch.scatter(input=torch.zeros_like(selection), dim=-1, index=sorted_idx, src=selection)
         new_canvas = torch.where(~accepted, renoise, torch.where(accepted, sampled, canvas))
         # Compared as HF does: a float32 mean against the threshold as a float32 scalar.
-        thresholds = torch.tensor([r.seq.params.confidence_threshold for r in rows], dtype=entropy.dtype,
+        thresholds = torch.tensor([r.bp.confidence_threshold for r in rows], dtype=entropy.dtype,
                                   device=entropy.device)
         confident = entropy.mean(-1) < thresholds
         decisions = torch.cat([argmax, confident[:, None].to(argmax.dtype)], dim=1).tolist()  # one host transfer
         outputs = []
         for b, row in enumerate(rows):
-            p = row.seq.params
+            p = row.bp
             row.canvas, row.argmax, row.soft = new_canvas[b:b + 1], argmax[b:b + 1], soft[b:b + 1]
             tokens, confident_b = decisions[b][:-1], bool(decisions[b][-1])
             stable = self._stable(row, tokens, p.stability_threshold)
             done = (stable and confident_b) or steps_left[b] <= 1
-            if done:
-                row.pending = row.argmax  # the commit pass encodes the argmax canvas
-            if row.grammar is not None:
+            if done:  # the commit pass encodes the argmax canvas (a partial score block: its tokens)
+                row.pending = row.argmax if row.plan.width is None else row.argmax[:, :row.plan.width]
+            if row.constrained is not None:
                 row.grammar.settle(committed=done)  # the committed tokens are this step's argmax canvas
             logprobs = None
             if done and tops[b] is not None:  # one host transfer, for the rows that asked, at their commit
@@ -237,39 +254,47 @@ class Runner:
                 # (a grammar's refused tokens are -inf in exact mode: not candidates, left out)
                 logprobs = [(v[0], [(t, x) for t, x in zip(i, v, strict=True) if x != float("-inf")])
                             for v, i in zip(values, ids, strict=True)]
+                for j, sc in zip(row.pins.positions if row.pins else (), scores[b] or (), strict=True):
+                    logprobs[j] = (sc.logprob, logprobs[j][1])  # a pinned token: its own logprob
             outputs.append(RowOutput(seq_id=row.seq.seq_id, block_done=done, committed=tokens if done else None,
-                                     preview=tokens if p.previews else None, logprobs=logprobs))
+                                     preview=tokens if p.previews else None, logprobs=logprobs,
+                                     scores=scores[b] if done and row.plan.scoring else None))
         return outputs
 
     def _exact(self, rows, hidden, steps_left):
         """Per row, HF's shapes and ops, each row's draws from its own generator in HF's order
         (multinomial noise, then renoise). Exact mode only: bit-exactness needs (1, C, V)."""
-        parts = [vocab.exact_row(self.adapter.model, hidden[b:b + 1], r.seq.params, steps_left[b], r.generator)
-                 if r.grammar is None else
-                 vocab.exact_row_constrained(self.adapter.model, hidden[b:b + 1], r.seq.params, steps_left[b],
-                                             r.generator, r.grammar)
+        parts = [vocab.exact_row(self.adapter.model, hidden[b:b + 1], r.bp, steps_left[b], r.generator,
+                                 len(r.seq.output_ids), r.pins)
+                 if r.constrained is None else
+                 vocab.exact_row_constrained(self.adapter.model, hidden[b:b + 1], r.bp, steps_left[b],
+                                             r.generator, r.grammar, len(r.seq.output_ids))
                  for b, r in enumerate(rows)]
-        return *(torch.cat(xs) for xs in zip(*(x[:5] for x in parts), strict=True)), [x[5] for x in parts]
+        return (*(torch.cat(xs) for xs in zip(*(x[:5] for x in parts), strict=True)), [x[5] for x in parts],
+                [x[6] for x in parts])
 
     def _fast(self, rows, hidden, steps_left):
         seeds, counters = self._counters(rows)
         V = self.adapter.vocab_size
-        inv_t = torch.tensor([1.0 / _temperature(r.seq.params, s) for r, s in zip(rows, steps_left, strict=True)],
+        inv_t = torch.tensor([1.0 / _temperature(r.bp, s) for r, s in zip(rows, steps_left, strict=True)],
                              dtype=torch.float32, device=hidden.device)
         C = self.adapter.canvas_length
         uniform = vocab.hash_uniform(seeds, counters, C, _SAMPLE)
         renoise = vocab.hash_draws(seeds, counters, C, _RENOISE) % V
         k = self.chunk_rows
-        ks = [r.seq.params.logprobs for r in rows]
-        grammars = [r.grammar for r in rows]
+        ks = [r.bp.logprobs for r in rows]
+        grammars = [r.constrained for r in rows]
+        filtered = [(r.bp, len(r.seq.output_ids)) if r.bp.filtered(len(r.seq.output_ids)) else None for r in rows]
+        pins = [r.pins for r in rows]
         uniform2 = vocab.hash_uniform(seeds, counters, C, _GRAMMAR) if any(g is not None for g in grammars) else None
         parts = [vocab.fast_chunk(self.adapter.model, hidden[i:i + k], inv_t[i:i + k], uniform[i:i + k], self._scratch,
                                   ks[i:i + k] if any(x is not None for x in ks[i:i + k]) else None,
                                   grammars[i:i + k] if any(g is not None for g in grammars[i:i + k]) else None,
-                                  None if uniform2 is None else uniform2[i:i + k])
+                                  None if uniform2 is None else uniform2[i:i + k], filtered[i:i + k], pins[i:i + k])
                  for i in range(0, len(rows), k)]
         sampled, argmax, entropy, soft = (torch.cat(xs) for xs in zip(*(x[:4] for x in parts), strict=True))
-        return sampled, argmax, entropy, renoise, soft, [t for x in parts for t in x[4]]
+        return (sampled, argmax, entropy, renoise, soft, [t for x in parts for t in x[4]],
+                [t for x in parts for t in x[5]])
 
     def _counters(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.adapter.device
@@ -277,11 +302,36 @@ class Runner:
         counters = torch.tensor([r.seq.block * 4096 + r.seq.step for r in rows], dtype=torch.int64, device=device)
         return seeds, counters
 
+    def _plan(self, row: _Row) -> None:
+        """The block starting now: its plan, its knobs (a score block: one plain read at
+        temperature 1, the top ``score_k``) and its pins."""
+        seq = row.seq
+        row.plan = plan = seq.plan(self.adapter.canvas_length)
+        p = seq.params
+        if plan.scoring:
+            row.bp = replace(p, max_denoising_steps=1, t_min=1.0, t_max=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                             allowed_token_ids=None, min_tokens=0, logprobs=None, previews=False)
+        else:
+            row.bp = p
+        row.pins = None
+        if plan.pinned:
+            k = seq.score_k if plan.scoring else (p.logprobs or 0)
+            row.pins = Pins(list(plan.pinned), [plan.seed[j] for j in plan.pinned], k)
+
     def _init_canvas(self, row: _Row) -> torch.Tensor:
-        if self.sampler == "exact":
-            return self.adapter.init_canvas(row.generator)
-        seeds, counters = self._counters([row])
-        return vocab.hash_draws(seeds, counters, self.adapter.canvas_length, _INIT) % self.adapter.vocab_size
+        C = self.adapter.canvas_length
+        if row.plan.scoring:  # noise that depends on nothing but the position (same read for any seed)
+            seeds = torch.tensor([SCORE_SEED], dtype=torch.int64, device=self.adapter.device)
+            counters = torch.zeros(1, dtype=torch.int64, device=self.adapter.device)
+            canvas = vocab.hash_draws(seeds, counters, C, _INIT) % self.adapter.vocab_size
+        elif self.sampler == "exact":
+            canvas = self.adapter.init_canvas(row.generator)
+        else:
+            seeds, counters = self._counters([row])
+            canvas = vocab.hash_draws(seeds, counters, C, _INIT) % self.adapter.vocab_size
+        if row.plan.seed:
+            canvas[0, :len(row.plan.seed)] = torch.tensor(row.plan.seed, dtype=canvas.dtype, device=canvas.device)
+        return canvas
 
     @staticmethod
     def _stable(row: _Row, tokens: list[int], threshold: int) -> bool:

@@ -39,6 +39,7 @@ class SchedulerStats:
     row_steps_waiting: int = 0  # converged rows idle while a slower row finished its block (block mode)
     blocks_committed: int = 0
     tokens_committed: int = 0
+    tokens_scored: int = 0  # prompt tokens read in score blocks (echo, prompt_logprobs)
     encode_passes: int = 0
     aborted: int = 0
     waiting_for_memory: int = 0  # sequences queued behind a head that does not fit the budget now
@@ -68,6 +69,7 @@ class Scheduler:
         self.running: dict[str, Sequence] = {}
         self._aborts: list[tuple[str, SeqStatus]] = []
         self._to_free: list[str] = []
+        self._done: list[Finished] = []  # finished when added (nothing to run)
         self.stats = SchedulerStats()
         self.memory = memory
         self.reserved: dict[str, int] = {}  # bytes per running sequence (against memory.rest_bytes)
@@ -75,10 +77,10 @@ class Scheduler:
 
     # -- memory -----------------------------------------------------------------------------
     def need(self, seq: Sequence) -> int:
-        return self.memory.need(len(seq.prompt_ids), seq.params.max_tokens) if self.memory else 0
+        return self.memory.need(seq.prompt_len, seq.params.max_tokens) if self.memory else 0
 
     def pages(self, seq: Sequence) -> tuple[int, ...]:
-        return self.memory.pages(len(seq.prompt_ids), seq.params.max_tokens) if self.memory else ()
+        return self.memory.pages(seq.prompt_len, seq.params.max_tokens) if self.memory else ()
 
     def fits_alone(self, seq: Sequence) -> bool:
         return self.memory is None or self.memory.fits(self.need(seq), self.pages(seq))
@@ -99,6 +101,10 @@ class Scheduler:
 
     # -- requests in --------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        if seq.params.max_tokens == 0 and not seq.score_ids:  # echo alone: nothing to run
+            seq.status = SeqStatus.FINISHED_LENGTH
+            self._done.append(Finished(seq))
+            return
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
@@ -107,12 +113,13 @@ class Scheduler:
         self._aborts.append((seq_id, status))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._aborts or self._to_free)
+        return bool(self.waiting or self.running or self._aborts or self._to_free or self._done)
 
     # -- the cycle ------------------------------------------------------------------------
     def schedule(self) -> tuple[StepBatch, list[Finished]]:
         # 1. Drain aborts first: an aborted sequence leaves before the next forward.
-        finished = self._drain_aborts()
+        finished = self._drain_aborts() + self._done
+        self._done = []
         batch = StepBatch(free=self._to_free)
         self._to_free = []
         # 2. At a boundary: committed blocks get their encoder pass, waiting sequences join.
@@ -160,6 +167,13 @@ class Scheduler:
             seq.step += 1
             if not row.block_done:
                 continue
+            if seq.block < seq.score_blocks(self.canvas_length):  # a score block: prompt tokens read
+                status = self._scored(seq, row)
+                if status is not None:
+                    finished.append(self._retire(seq, status))
+                else:
+                    seq.status = SeqStatus.NEEDS_ENCODE if self.row_boundaries else SeqStatus.BLOCK_DONE
+                continue
             new_ids, status = self._commit(seq, row.committed or [])
             committed.append(Committed(seq, new_ids, row.logprobs[:len(new_ids)] if row.logprobs else None))
             if status is not None:
@@ -194,6 +208,17 @@ class Scheduler:
         self.stats.blocks_committed += 1
         self.stats.tokens_committed += len(new_ids)
         return new_ids, status
+
+    def _scored(self, seq: Sequence, row) -> SeqStatus | None:
+        """A score block's read: its tokens' scores recorded (not output); with ``max_tokens`` 0 the
+        last one ends the sequence."""
+        width = len(seq.plan(self.canvas_length).seed)
+        seq.scores.extend(row.scores[:width])
+        seq.block += 1
+        self.stats.tokens_scored += width
+        if seq.block == seq.score_blocks(self.canvas_length) and seq.params.max_tokens == 0:
+            return SeqStatus.FINISHED_LENGTH
+        return None
 
     def _retire(self, seq: Sequence, status: SeqStatus) -> Finished:
         seq.status = status

@@ -20,10 +20,13 @@ does not grow with the batch.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from diffusion_plugin import filters
 from diffusion_plugin.attention import MIN_EXPONENT
-from diffusion_plugin.request import SamplingParams
+from diffusion_plugin.request import SamplingParams, Score
 
 CDF_BLOCK = 512  # the inverse CDF finds a block of this many ids first, then the id inside it
 
@@ -36,9 +39,12 @@ def temperature(p: SamplingParams, steps_left: int, device: torch.device | str =
 
 
 @torch.no_grad()
-def exact_row(model, hidden: torch.Tensor, p: SamplingParams, steps_left: int, generator: torch.Generator):
-    """One row (1, C, H) -> (sampled, argmax, entropy, renoise) each (1, C), soft (1, C, H), and
-    with ``p.logprobs`` set the top (logprobs, ids) each (C, max(k, 1)) (else None)."""
+def exact_row(model, hidden: torch.Tensor, p: SamplingParams, steps_left: int, generator: torch.Generator,
+              produced: int = 0, pins: Pins | None = None):
+    """One row (1, C, H) -> (sampled, argmax, entropy, renoise) each (1, C), soft (1, C, H), with
+    ``p.logprobs`` set the top (logprobs, ids) each (C, max(k, 1)) (else None), and with ``pins``
+    their ``Score``s (else None). ``p``'s sampling fields (``filters``; a block ``produced`` tokens
+    in) mask the processed logits; without any, HF's step exactly."""
     # HF's expressions one by one (DiffusionGemmaForBlockDiffusion.forward, generate()'s sampler,
     # torch's Categorical.entropy), with each elementwise op done in place where its input is not
     # needed again: the same kernel gives the same bits, and at most three canvas x vocab buffers
@@ -49,7 +55,9 @@ def exact_row(model, hidden: torch.Tensor, p: SamplingParams, steps_left: int, g
     logits.tanh_()
     logits.mul_(cap)
     processed = logits.div_(temperature(p, steps_left, logits.device))
-    top = None if p.logprobs is None else top_logprobs(processed[0], p.logprobs, torch.logsumexp(processed[0], -1))
+    if p.filtered(produced):
+        filters.apply(processed[0], p, produced)
+    top, scores = _tops(processed[0], p.logprobs, pins)
     probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
     # The decoder's own self-conditioning expression (softmax of the processed logits @ embedding).
     embed = model.model.decoder.embed_tokens
@@ -67,12 +75,49 @@ def exact_row(model, hidden: torch.Tensor, p: SamplingParams, steps_left: int, g
     del processed
     p_norm = torch.softmax(normalised, dim=-1)
     entropy = -normalised.clamp_(min=torch.finfo(normalised.dtype).min).mul_(p_norm).sum(-1)
-    return sampled, argmax, entropy, renoise, soft, top
+    return sampled, argmax, entropy, renoise, soft, top, scores
+
+
+class Pins(NamedTuple):
+    """A row's pinned canvas positions and their tokens (``request.BlockPlan``); ``k``: the top
+    logprobs its ``Score``s carry."""
+
+    positions: list[int]
+    tokens: list[int]
+    k: int
+
+
+def _tops(x: torch.Tensor, k: int | None, pins: Pins | None, log_total: torch.Tensor | None = None):
+    """A row's top logprobs (``k`` set) and its pins' scores, from its (C, V) logits (any shift)."""
+    if k is None and pins is None:
+        return None, None
+    log_total = torch.logsumexp(x, -1) if log_total is None else log_total
+    top = None if k is None else top_logprobs(x, k, log_total)
+    return top, None if pins is None else pin_scores(x, log_total, pins)
+
+
+def pin_scores(x: torch.Tensor, log_total: torch.Tensor, pins: Pins) -> list[Score]:
+    """Each pinned position's ``Score``: its token's log-softmax, rank and the top ``pins.k``
+    (a few positions at a time: no canvas x vocab copy)."""
+    out = []
+    for s in range(0, len(pins.positions), 32):
+        pos = torch.tensor(pins.positions[s:s + 32], dtype=torch.long, device=x.device)
+        tok = torch.tensor(pins.tokens[s:s + 32], dtype=torch.long, device=x.device)
+        xs = x.index_select(0, pos)
+        chosen = xs.gather(-1, tok[:, None])
+        rank = (xs > chosen).sum(-1) + 1
+        lt = log_total.index_select(0, pos)
+        values, ids = torch.topk(xs, max(pins.k, 1), dim=-1)
+        values = (values - lt[:, None]).tolist()
+        for lp, r, v, i in zip((chosen[:, 0] - lt).tolist(), rank.tolist(), values, ids.tolist(), strict=True):
+            out.append(Score(lp, r, [(t, x_) for t, x_ in zip(i[:pins.k], v[:pins.k], strict=True)
+                                     if x_ != float("-inf")]))
+    return out
 
 
 @torch.no_grad()
 def exact_row_constrained(model, hidden: torch.Tensor, p: SamplingParams, steps_left: int,
-                          generator: torch.Generator, grammar):
+                          generator: torch.Generator, grammar, produced: int = 0):
     """``exact_row`` for a row under a grammar (``diffusion_plugin.grammar``): HF's expressions
     and random draws in HF's order (so its generator advances as an unconstrained row's), the
     argmax and the multinomial (argmax of probs / Exp(1) noise) restricted position by position
@@ -84,6 +129,8 @@ def exact_row_constrained(model, hidden: torch.Tensor, p: SamplingParams, steps_
     processed = model.lm_head(hidden).to(torch.float32)
     processed.div_(cap).tanh_().mul_(cap)
     processed.div_(temperature(p, steps_left, processed.device))
+    if p.filtered(produced):
+        filters.apply(processed[0], p, produced)
     probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
     ratio = torch.empty_like(probs).exponential_(1, generator=generator)
     torch.div(probs, ratio, out=ratio)
@@ -107,7 +154,7 @@ def exact_row_constrained(model, hidden: torch.Tensor, p: SamplingParams, steps_
     normalised = processed.sub_(processed.logsumexp(dim=-1, keepdim=True))
     p_norm = torch.softmax(normalised, dim=-1)
     entropy = -normalised.clamp_(min=torch.finfo(normalised.dtype).min).mul_(p_norm).sum(-1)
-    return sampled, argmax, entropy, renoise, soft, top
+    return sampled, argmax, entropy, renoise, soft, top, None
 
 
 def xgr_apply(logits: torch.Tensor, masks: torch.Tensor) -> None:
@@ -162,13 +209,16 @@ class Scratch:
 
 @torch.no_grad()
 def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.Tensor, scratch: Scratch,
-               ks: list[int | None] | None = None, grammars: list | None = None, uniform2: torch.Tensor | None = None):
+               ks: list[int | None] | None = None, grammars: list | None = None, uniform2: torch.Tensor | None = None,
+               filtered: list | None = None, pins: list | None = None):
     """R rows (R, C, H), 1/temperature (R,), one uniform per position (R, C) float64 ->
     (sampled, argmax, entropy) each (R, C), the soft embedding (R, C, H), and per row its top
     (logprobs, ids) if ``ks[row]`` is not None (``top_logprobs``), else None. ``grammars``: per
     row a ``grammar.RowGrammar`` or None; a constrained row's canvases follow its grammar
     (``_fast_draft``, with a second uniform per position, ``uniform2``) and its distribution is
-    masked by its argmax canvas's masks; the other rows' work is unchanged."""
+    masked by its argmax canvas's masks; the other rows' work is unchanged. ``filtered``: per row
+    None or (params, produced) for ``filters.apply`` (a refused token gets no mass at all);
+    ``pins``: per row None or its ``Pins``, whose ``Score``s come back as a sixth result."""
     cap = model.final_logit_softcapping
     embed = model.model.decoder.embed_tokens
     weight = model.lm_head.weight
@@ -179,6 +229,9 @@ def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.
     else:
         x.copy_(torch.matmul(hidden, weight.t()))
     x.div_(cap).tanh_().mul_((cap * inv_t).to(x.dtype)[:, None, None])  # softcap, then / temperature
+    filtered = [(b, f) for b, f in enumerate(filtered or []) if f is not None]
+    for b, (params, produced) in filtered:
+        filters.apply(x[b], params, produced)
     drafts = {b: _fast_draft(g, x[b], e[b], uniform[b], uniform2[b])
               for b, g in enumerate(grammars or []) if g is not None}
     for b in drafts:
@@ -189,17 +242,20 @@ def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.
     # that much mass, ~1e-33 of the total over the whole vocab.
     x.sub_(top[..., None]).clamp_(min=MIN_EXPONENT)
     torch.exp(x, out=e)
+    for b, _ in filtered:  # refused (-inf, clamped): no mass, so never drawn
+        e[b].masked_fill_(x[b] <= MIN_EXPONENT, 0.0)
     total = e.sum(-1)
     soft = torch.matmul(e.to(weight.dtype), embed.weight) / total[..., None].to(weight.dtype)
     soft = soft * embed.embed_scale.to(hidden.dtype)
     sampled = _inverse_cdf(e, uniform)
     tops = [None if k is None else top_logprobs(x[b], k, torch.log(total[b])) for b, k in enumerate(ks or [None] * R)]
+    scores = [None if q is None else pin_scores(x[b], torch.log(total[b]), q) for b, q in enumerate(pins or [None] * R)]
     # Entropy of softmax(x): log S - sum(e * x) / S (x shifted by its max, so S >= 1).
     entropy = torch.log(total) - x.mul_(e).sum(-1) / total
     for b, (a, s) in drafts.items():
         argmax[b] = torch.tensor(a, dtype=argmax.dtype, device=argmax.device)
         sampled[b] = torch.tensor(s, dtype=sampled.dtype, device=sampled.device)
-    return sampled, argmax, entropy, soft, tops
+    return sampled, argmax, entropy, soft, tops, scores
 
 
 def _fast_draft(grammar, x: torch.Tensor, e: torch.Tensor, uniform: torch.Tensor,

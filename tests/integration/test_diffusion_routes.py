@@ -64,7 +64,7 @@ def test_responses_previews_are_an_extension_event(stack):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("store", True), ("previous_response_id", "resp_x"), ("reasoning", {"effort": "low"}), ("top_p", 0.5),
+    ("store", True), ("previous_response_id", "resp_x"), ("reasoning", {"effort": "low"}), ("top_p", 1.5),
 ])
 def test_responses_refuses_unimplemented_fields(stack, field, value):
     r = _post(stack, "/v1/responses", {"input": "Hi", field: value})
@@ -76,8 +76,8 @@ def test_responses_refuses_unimplemented_fields(stack, field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tool_choice", "required"), ("top_p", 0.5), ("top_k", 4), ("frequency_penalty", 0.5),
-    ("presence_penalty", 0.5), ("repetition_penalty", 1.3), ("logit_bias", {"10": 5}), ("min_tokens", 4),
+    ("tool_choice", "required"), ("top_p", 1.5), ("top_k", -2), ("frequency_penalty", 0.5),
+    ("presence_penalty", 0.5), ("repetition_penalty", 1.3), ("logit_bias", {"10": 5}), ("min_tokens", 5),
     ("functions", [{"name": "f"}]),
 ])
 def test_chat_refuses_unimplemented_fields(stack, field, value):
@@ -87,7 +87,7 @@ def test_chat_refuses_unimplemented_fields(stack, field, value):
     assert err["param"] == field and field in err["message"]
 
 
-@pytest.mark.parametrize("field, value", [("best_of", 3), ("echo", True), ("suffix", "!"), ("top_p", 0.2)])
+@pytest.mark.parametrize("field, value", [("best_of", 3), ("suffix", "!"), ("top_p", 0), ("min_p", 2)])
 def test_completions_refuses_unimplemented_fields(stack, field, value):
     r = _post(stack, "/v1/completions", {"prompt": "The river", "max_tokens": 4, field: value})
     assert r.status_code == 400, r.text

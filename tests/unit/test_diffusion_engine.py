@@ -192,7 +192,8 @@ def test_a_runner_failure_ends_every_affected_request_with_an_error():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"top_p": 0.5}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"diffusion": {"t_min": 500}}, "diffusion.t_min"),
     ({"diffusion": {"max_denoising_steps": 0}}, "diffusion.max_denoising_steps"),
     ({"diffusion": {"entropy_bnd": 1}}, "diffusion.entropy_bnd"),

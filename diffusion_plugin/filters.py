@@ -1,0 +1,87 @@
+"""vLLM's sampling fields on a diffusion canvas, per row, in both samplers.
+
+``apply`` sets to -inf, in place, every token a row's fields refuse in its temperature-scaled
+logits (C, V), in vLLM's order: ``allowed_token_ids`` and ``min_tokens`` (vLLM's logits
+processors), then ``min_p``, ``top_k``, ``top_p`` (vLLM's sampler). Everything the step derives
+from the logits then follows the filtered distribution: the sampled canvas, the argmax canvas
+(never removed by min_p/top_k/top_p), the entropy that drives acceptance, the self-conditioning
+soft embedding and the logprobs.
+
+- ``min_tokens``: the model's EOS ids are refused at the block's positions whose output index is
+  below ``min_tokens`` (a per-position rule: the first allowed EOS is output token
+  ``min_tokens``, as on vLLM).
+- ``top_p``: the smallest set of most probable tokens whose mass reaches ``top_p`` (vLLM's rule:
+  a token goes when the mass strictly above it already reaches ``top_p``; at least one stays).
+  Found among the top ``TOP_P_CANDIDATES`` of each position (one ``topk``, not a sort over the
+  vocabulary: a full sort of a 256 x 262,144 canvas costs ~6.6 CPU s); a position whose
+  candidates hold less than ``top_p`` (a flat distribution) falls back to sorting that position.
+
+HF's ``generate()`` has none of these knobs (its only logits processor is the temperature
+schedule; a caller's ``logits_processor`` list runs before it). The mask-shaped ones
+(``top_k``, ``allowed_token_ids``) commute with the temperature, so exact mode with them equals
+``generate()`` given the same mask as a ``logits_processor`` (tested); ``top_p`` and ``min_p``
+depend on the temperature and are applied after it, as vLLM applies them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from diffusion_plugin.request import SamplingParams
+
+TOP_P_CANDIDATES = 1024
+_NEG = float("-inf")
+
+
+def apply(x: torch.Tensor, p: SamplingParams, produced: int) -> None:
+    """``x``: one row's (C, V) temperature-scaled logits, for a block that starts ``produced``
+    output tokens in."""
+    C, V = x.shape
+    if p.allowed_token_ids is not None:
+        x.masked_fill_(~_allowed(p.allowed_token_ids, V, x.device), _NEG)
+    if p.min_tokens > produced and p.eos_token_ids:
+        upto = min(C, p.min_tokens - produced)
+        eos = torch.tensor([t for t in p.eos_token_ids if t < V], dtype=torch.long, device=x.device)
+        x[:upto].index_fill_(1, eos, _NEG)
+    if p.min_p > 0:  # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p)
+        top = x.max(dim=-1, keepdim=True).values
+        x.masked_fill_(x < top + math.log(p.min_p), _NEG)
+    if 0 < p.top_k < V:
+        kth = torch.topk(x, p.top_k, dim=-1).values[:, -1:]
+        x.masked_fill_(x < kth, _NEG)
+    if p.top_p < 1:
+        _top_p(x, p.top_p)
+
+
+def _allowed(ids: tuple[int, ...], V: int, device) -> torch.Tensor:
+    keep = torch.zeros(V, dtype=torch.bool, device=device)
+    keep[torch.tensor([t for t in ids if t < V], dtype=torch.long, device=device)] = True
+    return keep
+
+
+def _top_p(x: torch.Tensor, top_p: float) -> None:
+    C, V = x.shape
+    log_total = torch.logsumexp(x, dim=-1, keepdim=True)
+    k = min(V, TOP_P_CANDIDATES)
+    values = torch.topk(x, k, dim=-1).values  # descending
+    probs = torch.exp(values - log_total)
+    above = torch.cumsum(probs, dim=-1) - probs  # the mass strictly above each candidate
+    kept = (above < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)
+    threshold = values.gather(-1, kept - 1)
+    covered = (probs.sum(dim=-1) >= top_p) | (kept[:, 0] < k)
+    threshold = torch.where(covered[:, None], threshold, torch.full_like(threshold, _NEG))
+    x.masked_fill_(x < threshold, _NEG)  # a position not covered keeps all here: sorted below
+    for j in torch.nonzero(~covered).flatten().tolist():
+        _top_p_sorted(x[j], top_p)
+
+
+def _top_p_sorted(row: torch.Tensor, top_p: float) -> None:
+    """One position by a full sort (its candidates held less than ``top_p``)."""
+    values, order = torch.sort(row, descending=True)
+    probs = torch.softmax(values, dim=-1)
+    above = torch.cumsum(probs, dim=-1) - probs
+    drop = above >= top_p
+    drop[0] = False
+    row[order[drop]] = _NEG
