@@ -48,6 +48,7 @@ class Delta:
     text: str
     entries: list | None = None
     ids: list | None = None
+    tokens: int = 0  # the choice's output tokens so far (continuous usage)
 
 
 @dataclass
@@ -60,6 +61,7 @@ class End:
     finish_reason: str
     entries: list | None = None
     ids: list | None = None
+    tokens: int = 0  # the choice's output tokens (continuous usage)
 
 
 @dataclass
@@ -205,14 +207,16 @@ class ChoiceText:
 
 async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, request_id: str, model: str, tokenizer,
                        n: int, stream: bool, include_usage: bool, top_logprobs: int | None,
-                       structured=None, parsing=None) -> AsyncIterator[Item]:
+                       structured=None, parsing=None, continuous_usage: int | None = None) -> AsyncIterator[Item]:
     """Chat or completions output: SSE chunks then ``DONE`` (``stream``), or one response object.
     A ``TandemError`` raised by ``events`` is yielded as the request's error (mid-stream too).
     ``structured`` (``diffusion_plugin.structured.Structured``) with a ``tool_mode``: the text is
     the tool calls' JSON, answered as ``tool_calls`` (streamed as vLLM streams them), with
     ``finish_reason`` "tool_calls" for "required" (and "stop" for a named function), as vLLM.
     ``parsing`` (``diffusion_plugin.parsing.Parsing``): the model's parsers read each choice's
-    text (``content``, ``reasoning``, ``tool_calls``; "tool_calls" ends a choice that called one)."""
+    text (``content``, ``reasoning``, ``tool_calls``; "tool_calls" ends a choice that called one).
+    ``continuous_usage`` (vLLM's ``continuous_usage_stats``): the prompt tokens; every chunk then
+    carries the usage so far."""
     k = top_logprobs
     tool_mode = structured.tool_mode if structured is not None else None
     calls = [ToolCallStream(structured) for _ in range(n)] if tool_mode else None
@@ -226,8 +230,14 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
     prompt_lps: list = [None] * n
     usage = None
 
+    made = [0] * n  # output tokens per choice so far (continuous usage)
+
     def chunk(index, delta, finish=None, extra=None, logprobs=None) -> str:
-        return sse(_chunk(rid, created, model, chat, index, delta, finish, extra, logprobs))
+        out = _chunk(rid, created, model, chat, index, delta, finish, extra, logprobs)
+        if continuous_usage is not None:
+            out["usage"] = {"prompt_tokens": continuous_usage, "completion_tokens": sum(made),
+                            "total_tokens": continuous_usage + sum(made)}
+        return sse(out)
 
     def content(ev: Delta | End) -> dict:
         if parsers is not None:
@@ -256,6 +266,7 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
                     lp = None if ev.entries is None else logprobs_object(tokenizer, ev.entries, k, chat)
                     yield chunk(ev.index, {"content": ev.text}, logprobs=lp)
             elif isinstance(ev, Delta):
+                made[ev.index] = max(made[ev.index], ev.tokens)
                 texts[ev.index] += ev.text
                 ids[ev.index] += ev.ids or []
                 if ev.entries is not None:
@@ -266,6 +277,7 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
                     if delta or lp is not None:
                         yield chunk(ev.index, delta, logprobs=lp)
             elif isinstance(ev, End):
+                made[ev.index] = max(made[ev.index], ev.tokens)
                 texts[ev.index] += ev.text
                 ids[ev.index] += ev.ids or []
                 if ev.entries is not None:

@@ -168,7 +168,8 @@ class DiffusionEngine:
         items = openai_items(self.generate(request_id, sreq), chat=chat, request_id=request_id, model=self.model,
                              tokenizer=self.adapter.tokenizer, n=sreq.choices, stream=req.stream,
                              include_usage=req.include_usage(), top_logprobs=sreq.logprobs, structured=structured,
-                             parsing=parsing)
+                             parsing=parsing,
+                             continuous_usage=sum(map(len, sreq.prompts)) if req.continuous_usage() else None)
         async with aclosing(items):
             async for item in items:
                 yield item
@@ -244,14 +245,15 @@ class DiffusionEngine:
                     if out.stopped:
                         self.loop.abort(ev.seq.seq_id, SeqStatus.FINISHED_STOPPED)
                     if out.text or out.entries or out.ids:
-                        yield Delta(i, out.text, _shifted(out.entries, shift[i]), out.ids)
+                        yield Delta(i, out.text, _shifted(out.entries, shift[i]), out.ids, text.num_tokens)
                 else:
                     left -= 1
                     if ev.seq.status is SeqStatus.FINISHED_ERROR:
                         raise TandemError(ErrorKind.ENGINE_ERROR, f"the diffusion batch failed: {ev.seq.error}")
                     rest = text.flush()
                     yield End(i, rest.text, text.finish_reason(ev.seq.status),
-                              _shifted(rest.entries, shift[i]) if sreq.logprobs is not None else None, rest.ids)
+                              _shifted(rest.entries, shift[i]) if sreq.logprobs is not None else None, rest.ids,
+                              text.num_tokens)
             yield Usage(sum(map(len, sreq.prompts)), sum(t.num_tokens for t in texts))  # each prompt once, as vLLM
         finally:
             for s in seqs:

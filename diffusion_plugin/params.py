@@ -9,7 +9,8 @@ Honoured (chat, completions; Responses in ``diffusion_plugin.responses``):
   ``p * n + i``, and ``usage.prompt_tokens`` counts each prompt once, whatever ``n``),
   ``max_tokens``, ``max_completion_tokens`` (chat), ``temperature`` (0..2; the end of the
   model's temperature schedule, 0 is near-greedy), ``seed``, ``stop`` (up to 4 strings), ``n``
-  (1..16), ``stream``, ``stream_options.include_usage``, ``diffusion`` (the knobs below);
+  (1..16), ``stream``, ``stream_options`` (``include_usage``, vLLM's ``continuous_usage_stats``: usage in every
+  chunk), ``diffusion`` (the knobs below);
 - ``ignore_eos`` (vLLM's): blocks go on past EOS until ``max_tokens`` (or a stop string), an
   EOS committed meanwhile being an ordinary token of the output (the text skips it, as vLLM's);
 - ``logprobs``/``top_logprobs`` (chat: bool and 0..20) and ``logprobs`` (completions: 0..20).
@@ -59,6 +60,7 @@ GREEDY_T = 1e-4  # temperature 0 means near-greedy: both ends of the schedule th
 GREEDY_SEED = 0  # temperature 0 without a seed: this seed (deterministic)
 GREEDY_EPS = 1e-5  # vLLM's: a temperature below it is greedy sampling (n must be 1)
 MAX_TOP_LOGPROBS = 20
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # vLLM's
 MAX_PROMPTS = 64  # completions: prompts in one request (each has ``n`` choices)
 
 # Fields accepted without effect on the output.
@@ -186,6 +188,10 @@ class _Base(BaseModel):
         """vLLM's request rules, in vLLM's words (a 400 naming the field)."""
         if self.stream_options and not self.stream:
             raise invalid("Stream options can only be defined when `stream=True`.", param="stream_options")
+        unknown = next((k for k in self.stream_options or {} if k not in STREAM_OPTIONS), None)
+        if unknown is not None:
+            raise invalid(f"stream_options.{unknown}: not supported by the diffusion engine",
+                          param=f"stream_options.{unknown}")
         if self.n > 1 and self.temperature is not None and self.temperature < GREEDY_EPS:
             raise invalid(f"n must be 1 when using greedy sampling, got {self.n}.", param="n")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
@@ -228,6 +234,10 @@ class _Base(BaseModel):
 
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
+
+    def continuous_usage(self) -> bool:
+        """vLLM's ``stream_options.continuous_usage_stats``: usage in every chunk (with include_usage)."""
+        return self.include_usage() and bool((self.stream_options or {}).get("continuous_usage_stats"))
 
     def output_limit(self) -> int | None:
         return self.max_tokens

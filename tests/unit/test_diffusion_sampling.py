@@ -365,3 +365,19 @@ def test_bad_sampling_and_canvas_fields_are_400s_naming_them(adapter, body, para
     assert out[0].status == 400 and out[0].param == param, out[0].message
     if param == "seed":
         assert "less_than_equal" in out[0].message
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(adapter):
+    import json
+
+    from tandem_core.errors import TandemError
+
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 40, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    out, bad = _engine_run("fast", [("chat", body), ("chat", {**body, "stream_options": {"made_up": 1}})])
+    chunks = [json.loads(c[len("data: "):]) for c in out if c.startswith("data: {")]
+    assert all("usage" in c for c in chunks)
+    used = [c["usage"]["completion_tokens"] for c in chunks]
+    assert used == sorted(used) and used[-1] == 40 == chunks[-1]["usage"]["completion_tokens"]
+    assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1
+    assert isinstance(bad[0], TandemError) and bad[0].param == "stream_options.made_up"
