@@ -148,6 +148,10 @@ class Intake:
         return {"seed_canvas": tuple(seed), "pinned": tuple(pinned)}
 
     def _check_sampling(self, sampling: dict) -> None:
+        bad = [t for t, _ in sampling.get("logit_bias") or () if not 0 <= t < self.adapter.vocab_size]
+        if bad:
+            raise invalid(f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. Vocabulary size: "
+                          f"{self.adapter.vocab_size}", param="logit_bias")
         allowed = sampling.get("allowed_token_ids")
         if allowed is None:
             return

@@ -30,15 +30,23 @@ Honoured (chat, completions; Responses in ``diffusion_plugin.responses``):
   (``engine_args.tool_call_parser``), else a 400 as on ``vllm serve``; the reasoning parser's
   ``reasoning`` (``engine_args.reasoning_parser``; ``diffusion_plugin.parsing``), vLLM's
   ``include_reasoning`` and ``chat_template_kwargs`` (e.g. ``enable_thinking``);
+- vLLM's sampling fields ``top_k``, ``top_p``, ``min_p``, ``allowed_token_ids``, ``logit_bias`` and ``min_tokens``
+  (``diffusion_plugin.filters`` says what each does to a denoise step), with vLLM's checks and
+  words (``_Base.check``);
+- prompt scoring: completions' ``echo`` (with ``logprobs``: the prompt's tokens scored; with
+  ``max_tokens`` 0 the prompt alone) and vLLM's ``prompt_logprobs`` (not with ``stream``); a
+  prompt token's score is defined in ``request.BlockPlan`` / the README (score blocks);
+- ``diffusion``'s canvas controls (``DiffusionKnobs``): ``seed_canvas``, ``pinned``, ``read_only``,
+  ``canvas_length`` (the model's own only);
 - accepted and recorded nowhere (they change no output): ``user``, ``metadata``,
   ``store: false``, ``service_tier: "auto"``.
 
-Refused (400, ``param`` = the field) unless given its neutral value (or null): ``top_p`` (1),
-``top_k`` (-1 or 0), ``min_p`` (0), ``frequency_penalty`` / ``presence_penalty`` (0),
-``repetition_penalty`` (1), ``logit_bias`` ({}), ``min_tokens`` (0), ``best_of`` (1), ``echo``
-(false), ``suffix`` (""), ``functions`` ([]), ``function_call`` ("none"), ``store`` (false),
-``prediction``, ``audio``,
-``modalities`` (["text"]), ``reasoning_effort``, ``web_search_options``; and any other field.
+Refused (400, ``param`` = the field) unless given its neutral value (or null):
+``frequency_penalty`` / ``presence_penalty`` (0), ``repetition_penalty`` (1) (vLLM's native
+DiffusionGemma ignores penalties with a warning: refused here, never silently ignored),
+``best_of`` (1), ``suffix`` (""), ``functions`` ([]), ``function_call`` ("none"), ``store`` (false),
+``prediction``, ``audio``, ``modalities`` (["text"]), ``reasoning_effort``, ``web_search_options``;
+and any other field (``stream_options`` keys other than vLLM's two included).
 
 Determinism: ``temperature: 0`` without a ``seed`` uses seed ``GREEDY_SEED`` (0), so the same
 request gives the same answer, streamed or not; ``n`` > 1 uses seed + i for choice i.
@@ -67,7 +75,7 @@ MAX_PROMPTS = 64  # completions: prompts in one request (each has ``n`` choices)
 HARMLESS = frozenset({"user", "metadata"})
 # field -> the values that mean "off" (accepted; anything else is refused). None is always off.
 NEUTRAL: dict[str, tuple] = {
-    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
     "best_of": (1,), "suffix": ("",), "functions": ([],), "function_call": ("none",), "store": (False,),
     "service_tier": ("auto",), "modalities": (["text"],), "prediction": (), "audio": (),
     "reasoning_effort": (), "web_search_options": (),
@@ -162,6 +170,7 @@ class _Base(BaseModel):
     min_p: float | None = None
     min_tokens: int = 0
     allowed_token_ids: list[StrictInt] | None = None
+    logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16)
@@ -210,7 +219,7 @@ class _Base(BaseModel):
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise invalid("allowed_token_ids is not None and empty!", param="allowed_token_ids")
         if self.prompt_logprobs is not None:
-            if self.stream and (self.prompt_logprobs > 0 or self.prompt_logprobs == -1):
+            if self.stream:  # (vLLM takes 0 with stream; a diffusion model then refuses it too)
                 raise invalid("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
             if self.prompt_logprobs < 0 and self.prompt_logprobs != -1:
                 raise invalid("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
@@ -225,7 +234,16 @@ class _Base(BaseModel):
         """The ``request.SamplingParams`` fields of vLLM's sampling knobs (off when not given)."""
         return {"top_k": max(0, self.top_k or 0), "top_p": 1.0 if self.top_p is None else self.top_p,
                 "min_p": self.min_p or 0.0, "min_tokens": self.min_tokens,
-                "allowed_token_ids": None if self.allowed_token_ids is None else tuple(self.allowed_token_ids)}
+                "allowed_token_ids": None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+                "logit_bias": self.logit_bias_pairs()}
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """vLLM's: keys are token ids (as strings), biases clamped to [-100, 100]."""
+        bad = [k for k in self.logit_bias or {} if not k.strip().lstrip("-").isdigit()]
+        if bad:
+            raise invalid(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}",
+                          param="logit_bias")
+        return tuple((int(k), min(100.0, max(-100.0, v))) for k, v in (self.logit_bias or {}).items())
 
     def scoring_k(self) -> int | None:
         """Prompt scoring wanted (``prompt_logprobs``; completions' ``echo`` with ``logprobs``): its

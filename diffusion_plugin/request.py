@@ -54,6 +54,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     allowed_token_ids: tuple[int, ...] | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) pairs, added to the logits
     min_tokens: int = 0  # EOS refused at output positions below it
     # The canvas controls (vllm#57250) of the first generated block: seed tokens at its first
     # positions (the rest is noise) and the positions held to them.
@@ -63,7 +64,7 @@ class SamplingParams:
     def filtered(self, produced: int) -> bool:
         """Whether ``diffusion_plugin.filters`` has work for a block starting ``produced`` tokens in."""
         return (self.top_k > 0 or self.top_p < 1 or self.min_p > 0 or self.allowed_token_ids is not None
-                or (self.min_tokens > produced and bool(self.eos_token_ids)))
+                or bool(self.logit_bias) or (self.min_tokens > produced and bool(self.eos_token_ids)))
 
 
 SCORE_SEED = 0  # a score block's noise positions (after a partial block's tokens) draw from this seed

@@ -30,7 +30,7 @@ VARIANTS = {
     "top_k=50": {"top_k": 50},
     "top_p=0.9": {"top_p": 0.9},
     "min_p=0.05": {"min_p": 0.05},
-    "allowed=1000": {"allowed_token_ids": tuple(range(100, 1100))},
+    "allowed=1000": {"allowed_token_ids": tuple(range(2000, 3000))},  # (EOS is not among them)
     "min_tokens=256": {"min_tokens": 256},
 }
 

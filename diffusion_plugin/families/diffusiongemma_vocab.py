@@ -54,9 +54,10 @@ def exact_row(model, hidden: torch.Tensor, p: SamplingParams, steps_left: int, g
     logits.div_(cap)
     logits.tanh_()
     logits.mul_(cap)
-    processed = logits.div_(temperature(p, steps_left, logits.device))
+    t = temperature(p, steps_left, logits.device)
+    processed = logits.div_(t)
     if p.filtered(produced):
-        filters.apply(processed[0], p, produced)
+        filters.apply(processed[0], p, produced, float(t))
     top, scores = _tops(processed[0], p.logprobs, pins)
     probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
     # The decoder's own self-conditioning expression (softmax of the processed logits @ embedding).
@@ -128,9 +129,10 @@ def exact_row_constrained(model, hidden: torch.Tensor, p: SamplingParams, steps_
     cap = model.final_logit_softcapping
     processed = model.lm_head(hidden).to(torch.float32)
     processed.div_(cap).tanh_().mul_(cap)
-    processed.div_(temperature(p, steps_left, processed.device))
+    t = temperature(p, steps_left, processed.device)
+    processed.div_(t)
     if p.filtered(produced):
-        filters.apply(processed[0], p, produced)
+        filters.apply(processed[0], p, produced, float(t))
     probs = torch.softmax(processed, dim=-1, dtype=torch.float32)
     ratio = torch.empty_like(probs).exponential_(1, generator=generator)
     torch.div(probs, ratio, out=ratio)
@@ -217,7 +219,7 @@ def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.
     row a ``grammar.RowGrammar`` or None; a constrained row's canvases follow its grammar
     (``_fast_draft``, with a second uniform per position, ``uniform2``) and its distribution is
     masked by its argmax canvas's masks; the other rows' work is unchanged. ``filtered``: per row
-    None or (params, produced) for ``filters.apply`` (a refused token gets no mass at all);
+    None or (params, produced) for ``filters.prepare``/``cut`` (a refused token gets no mass);
     ``pins``: per row None or its ``Pins``, whose ``Score``s come back as a sixth result."""
     cap = model.final_logit_softcapping
     embed = model.model.decoder.embed_tokens
@@ -231,7 +233,7 @@ def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.
     x.div_(cap).tanh_().mul_((cap * inv_t).to(x.dtype)[:, None, None])  # softcap, then / temperature
     filtered = [(b, f) for b, f in enumerate(filtered or []) if f is not None]
     for b, (params, produced) in filtered:
-        filters.apply(x[b], params, produced)
+        filters.prepare(x[b], params, produced, 1.0 / float(inv_t[b]))
     drafts = {b: _fast_draft(g, x[b], e[b], uniform[b], uniform2[b])
               for b, g in enumerate(grammars or []) if g is not None}
     for b in drafts:
@@ -242,13 +244,17 @@ def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.
     # that much mass, ~1e-33 of the total over the whole vocab.
     x.sub_(top[..., None]).clamp_(min=MIN_EXPONENT)
     torch.exp(x, out=e)
-    for b, _ in filtered:  # refused (-inf, clamped): no mass, so never drawn
-        e[b].masked_fill_(x[b] <= MIN_EXPONENT, 0.0)
+    for b, (params, produced) in filtered:  # a refused token: no mass, so never drawn
+        filters.cut(x[b], e[b], params, produced)
     total = e.sum(-1)
     soft = torch.matmul(e.to(weight.dtype), embed.weight) / total[..., None].to(weight.dtype)
     soft = soft * embed.embed_scale.to(hidden.dtype)
     sampled = _inverse_cdf(e, uniform)
     tops = [None if k is None else top_logprobs(x[b], k, torch.log(total[b])) for b, k in enumerate(ks or [None] * R)]
+    for b, _ in filtered:  # a refused token is no candidate (-inf: left out)
+        if tops[b] is not None:
+            values, ids = tops[b]
+            tops[b] = (values.masked_fill(e[b].gather(-1, ids) == 0, float("-inf")), ids)
     scores = [None if q is None else pin_scores(x[b], torch.log(total[b]), q) for b, q in enumerate(pins or [None] * R)]
     # Entropy of softmax(x): log S - sum(e * x) / S (x shifted by its max, so S >= 1).
     entropy = torch.log(total) - x.mul_(e).sum(-1) / total

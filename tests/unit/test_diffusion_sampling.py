@@ -73,6 +73,9 @@ def test_top_k_min_p_allowed_and_min_tokens_masks():
     assert torch.isinf(got[:2, 7]).all() and not torch.isinf(got[2:, 7]).any()
     assert torch.isinf(got).sum() == 2
     got = x.clone()
+    filters.apply(got, _params(logit_bias=((4, 2.0), (9, -100.0))), 0, temperature=0.5)
+    assert torch.allclose(got[:, 4], x[:, 4] + 4.0) and torch.allclose(got[:, 9], x[:, 9] - 200.0)
+    assert torch.equal(got[:, 5], x[:, 5])
     assert not _params(min_tokens=5).filtered(5)  # past it: nothing to do
     assert not _params(min_tokens=5, eos_token_ids=()).filtered(0)  # ignore_eos: no EOS to refuse
 
@@ -181,10 +184,16 @@ def test_pinned_positions_keep_their_seed_tokens(adapter, sampler):
 
 
 @pytest.mark.parametrize("sampler", ["exact", "fast"])
+def test_a_large_logit_bias_makes_its_token_the_output(adapter, sampler):
+    seqs = _run(adapter, sampler, [(PROMPTS[0], _p(adapter, logit_bias=((321, 100.0),), eos_token_ids=()))])
+    assert seqs[0].output_ids == [321] * 40
+
+
+@pytest.mark.parametrize("sampler", ["exact", "fast"])
 def test_filtered_rows_leave_their_batch_mates_alone(adapter, sampler):
     plain = _run(adapter, sampler, [(PROMPTS[0], _p(adapter, seed=5))])[0].output_ids
     mixed = _run(adapter, sampler, [(PROMPTS[0], _p(adapter, seed=5)),
-                                    (PROMPTS[1], _p(adapter, seed=6, top_k=3, top_p=0.8, min_tokens=10)),
+                                    (PROMPTS[1], _p(adapter, seed=6, top_k=3, top_p=0.8, min_tokens=10, logit_bias=((5, 3.0),))),
                                     (PROMPTS[2], _p(adapter, seed=7, seed_canvas=(5, 6), pinned=(1,)))])
     assert mixed[0].output_ids == plain
 
@@ -355,6 +364,8 @@ def test_read_only_returns_one_pass_argmax_with_logprobs_and_pins(adapter, sampl
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"seed": 2**63}, "seed"),
+    ({"logit_bias": {"5": 1, "99999": 2}}, "logit_bias"),
+    ({"logit_bias": {"five": 1}}, "logit_bias"),
     ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens"),
 ])
 def test_bad_sampling_and_canvas_fields_are_400s_naming_them(adapter, body, param):
@@ -381,3 +392,31 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(adapter):
     assert used == sorted(used) and used[-1] == 40 == chunks[-1]["usage"]["completion_tokens"]
     assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1
     assert isinstance(bad[0], TandemError) and bad[0].param == "stream_options.made_up"
+
+
+@pytest.mark.parametrize("fields", [
+    {"top_k": 5}, {"top_p": 0.7}, {"min_p": 0.2}, {"allowed_token_ids": (1, 7, 30, 44)}, {"min_tokens": 4},
+    {"logit_bias": ((3, 5.0), (8, -3.0))}, {"top_k": 20, "top_p": 0.5, "min_p": 0.05},
+    {"allowed_token_ids": tuple(range(0, 60, 3)), "top_p": 0.6, "min_tokens": 2},
+])
+@pytest.mark.parametrize("scale", [0.3, 4.0])
+def test_the_fast_form_keeps_what_apply_keeps(fields, scale, monkeypatch):
+    """``prepare`` + ``cut`` (fast mode: exponents zeroed, thresholds per position) keep the tokens
+    ``apply`` (exact mode: -inf) keeps, and the same argmax."""
+    from diffusion_plugin.attention import MIN_EXPONENT
+
+    monkeypatch.setattr(filters, "TOP_P_CANDIDATES", 8)  # some positions take the sort
+    g = torch.Generator().manual_seed(len(str(fields)))
+    x = torch.randn(6, 64, generator=g) * scale
+    p = _params(**fields)
+    want = x.clone()
+    filters.apply(want, p, 1, temperature=0.5)
+    y = x.clone()
+    filters.prepare(y, p, 1, temperature=0.5)
+    top, argmax = y.max(-1)
+    y.sub_(top[:, None]).clamp_(min=MIN_EXPONENT)
+    e = torch.exp(y)
+    filters.cut(y, e, p, 1)
+    assert torch.equal(argmax, want.argmax(-1))
+    kept, expected = e > 0, ~torch.isinf(want)
+    assert ((kept ^ expected).sum(-1) <= 1).all() and (kept ^ expected).sum() <= 2, (kept ^ expected).sum()
