@@ -103,9 +103,12 @@ class ChoiceText:
     (as vLLM's parsers set ``skip_special_tokens=False``) and only whole tokens are released,
     each delta with the ids of exactly its tokens, so the parser's text and ids agree."""
 
-    def __init__(self, tokenizer, stops: list[str], raw: bool = False, min_tokens: int = 0):
+    def __init__(self, tokenizer, stops: list[str], raw: bool = False, min_tokens: int = 0,
+                 include_stop: bool = False, keep_special: bool = False):
         self.tok = tokenizer
         self.stops = stops
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output
+        self.skip = not (raw or keep_special)  # special tokens left out of the text (vLLM's default)
         self.min_tokens = min_tokens  # vLLM's: no stop string ends within the first min_tokens tokens' text
         self._floor: int | None = None if min_tokens else 0
         self.raw = raw
@@ -127,13 +130,13 @@ class ChoiceText:
         if self.stopped:
             return Released("", True, [] if logprobs is not None else None, [] if self.raw else None)
         self.ids.extend(new_ids)
-        self.text = self.tok.decode(self.ids, skip_special_tokens=not self.raw)
+        self.text = self.tok.decode(self.ids, skip_special_tokens=self.skip)
         if self._floor is None and len(self.ids) > self.min_tokens:
-            self._floor = len(self.tok.decode(self.ids[:self.min_tokens], skip_special_tokens=not self.raw))
+            self._floor = len(self.tok.decode(self.ids[:self.min_tokens], skip_special_tokens=self.skip))
         for stop in self.stops if self._floor is not None else ():
             at = self.text.find(stop, max(0, self._floor - len(stop) + 1))
             if at != -1:
-                self.text = self.text[:at]
+                self.text = self.text[:at + len(stop) if self.include_stop else at]
                 self.stopped = True
         # Hold back a trailing incomplete UTF-8 sequence until the next block completes it, and
         # a tail that may be the start of a stop string the next block completes (sent text
@@ -199,7 +202,7 @@ class ChoiceText:
         return Released(delta, self.stopped, entries, ids)
 
     def preview(self, canvas_ids: list[int]) -> str:
-        return self.tok.decode(canvas_ids, skip_special_tokens=not self.raw)
+        return self.tok.decode(canvas_ids, skip_special_tokens=self.skip)
 
     def finish_reason(self, status: SeqStatus) -> str:
         return "stop" if self.stopped else FINISH_REASON.get(status, "stop")

@@ -218,8 +218,9 @@ class DiffusionEngine:
         early (the client left), it aborts whatever of its sequences still runs."""
         seqs = sreq.sequences(request_id, self.adapter.eos_token_ids)
         index = {s.seq_id: i for i, s in enumerate(seqs)}
-        texts = [ChoiceText(self.adapter.tokenizer, sreq.stops, raw=sreq.raw_text, min_tokens=sreq.sampling.get(
-            "min_tokens", 0)) for _ in seqs]
+        texts = [ChoiceText(self.adapter.tokenizer, sreq.stops, raw=sreq.raw_text,
+                            min_tokens=sreq.sampling.get("min_tokens", 0), include_stop=sreq.include_stop,
+                            keep_special=sreq.keep_special) for _ in seqs]
         prompts = [sreq.prompts[i // sreq.n] if (sreq.echo or sreq.prompt_logprobs) else None for i in range(len(seqs))]
         shift = [0] * len(seqs)  # echo: the prompt's text comes first, so the output's offsets move by it
         self._requests[request_id] = list(index)

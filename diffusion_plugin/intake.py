@@ -36,6 +36,9 @@ class SeqRequest:
     previews: bool = False
     logprobs: int | None = None  # None: none; k: each committed token's logprob and the top k
     ignore_eos: bool = False  # blocks go on past EOS until max_tokens (EOS is then an ordinary token)
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's: they end a choice as EOS does, ignore_eos or not
+    include_stop: bool = False  # vLLM's include_stop_str_in_output
+    keep_special: bool = False  # vLLM's skip_special_tokens: false
     grammar: object | None = None  # a structured output's compiled grammar (``diffusion_plugin.grammar``)
     raw_text: bool = False  # a parser reads the text: special tokens kept, whole tokens (``chunks.ChoiceText``)
     more_prompts: list[list[int]] = field(default_factory=list)  # completions: the prompts after the first
@@ -57,7 +60,7 @@ class SeqRequest:
         ``<request_id>-<p * n + i>`` with seed + i."""
         knobs = dict(self.knobs)
         seed = knobs.pop("seed")
-        eos_token_ids = () if self.ignore_eos else eos_token_ids
+        eos_token_ids = (() if self.ignore_eos else tuple(eos_token_ids)) + self.stop_token_ids
         scoring = self.score_k is not None  # the first token encoded, the rest read in score blocks
         return [Sequence(seq_id=f"{request_id}-{p * self.n + i}", prompt_ids=list(prompt[:1] if scoring else prompt),
                          params=SamplingParams(max_tokens=self.max_tokens, seed=seed + i, eos_token_ids=eos_token_ids,
@@ -108,6 +111,8 @@ class Intake:
         max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         ignore_eos = getattr(req, "ignore_eos", False)
         sampling = req.sampling_fields() if hasattr(req, "sampling_fields") else {}
+        stop_ids = tuple(self._token_prompt(getattr(req, "stop_token_ids", None) or [], "stop_token_ids",
+                                            "stop_token_ids"))
         if hasattr(req, "sampling_fields"):
             sampling.update(self._canvas_controls(req.diffusion))
             self._check_sampling(sampling)
@@ -121,7 +126,10 @@ class Intake:
         for prompt in (prompt_ids, *more):
             self._check_fits(prompt, max_tokens, knobs, field, limit_field)
         return SeqRequest(prompt_ids, images, knobs, max_tokens, n, stops, req.diffusion.previews and req.stream,
-                          logprobs, ignore_eos=ignore_eos, more_prompts=more, sampling=sampling, score_k=score_k,
+                          logprobs, ignore_eos=ignore_eos, stop_token_ids=stop_ids,
+                          include_stop=bool(getattr(req, "include_stop_str_in_output", False)),
+                          keep_special=not getattr(req, "skip_special_tokens", True), more_prompts=more,
+                          sampling=sampling, score_k=score_k,
                           echo=bool(getattr(req, "echo", False)), prompt_logprobs=req.prompt_logprobs is not None
                           if hasattr(req, "prompt_logprobs") else False)
 

@@ -13,6 +13,8 @@ Honoured (chat, completions; Responses in ``diffusion_plugin.responses``):
   chunk), ``diffusion`` (the knobs below);
 - ``ignore_eos`` (vLLM's): blocks go on past EOS until ``max_tokens`` (or a stop string), an
   EOS committed meanwhile being an ordinary token of the output (the text skips it, as vLLM's);
+  vLLM's ``stop_token_ids`` (end a choice as EOS does, ``ignore_eos`` or not),
+  ``include_stop_str_in_output`` and ``skip_special_tokens``;
 - ``logprobs``/``top_logprobs`` (chat: bool and 0..20) and ``logprobs`` (completions: 0..20).
   The log-probability of a committed token is its log-softmax under the temperature-scaled
   distribution of the denoise step that committed its block (its last step: a block commits
@@ -177,6 +179,9 @@ class _Base(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[StrictInt] | None = None  # vLLM's: these ids end a choice too (even with ignore_eos)
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended a choice stays in its text
+    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens in the text
     # Structured outputs (``diffusion_plugin.structured`` reads them with vLLM's request models).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

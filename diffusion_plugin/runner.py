@@ -150,11 +150,16 @@ class Runner:
         encoding = [self.rows[s] for s in batch.encode]
         if encoding:
             t = time.perf_counter()
-            # Exact mode encodes row by row (as generate() alone). Fast mode batches rows whose
-            # pending token counts are equal (commits are all one canvas): left-padding queries
-            # to a batch mate's length changes the GEMMs' shapes and, on this box, a row's K/V
-            # by ~1e-6, which broke batch invariance; unpadded batches did not.
-            groups = [[r] for r in encoding] if self.sampler == "exact" else _by_length(encoding)
+            # Exact mode encodes row by row (as generate() alone). Fast mode batches the rows whose
+            # pending tokens are a whole canvas (commits); any other pass (a prefill, a short score
+            # block) runs alone. Batching rows changes the GEMMs' row count, and for a few rows of
+            # a few tokens the CPU BLAS takes another kernel: two 4-token prefills batched moved a
+            # row's K/V by ~1e-6 and flipped its samples (left-padding to a batch mate's length did
+            # the same). Whole-canvas commits batched are row-invariant (tested).
+            C = self.adapter.canvas_length
+            groups = ([[r] for r in encoding] if self.sampler == "exact" else
+                      _by_length([r for r in encoding if r.pending.shape[1] == C]) +
+                      [[r] for r in encoding if r.pending.shape[1] != C])
             for group in groups:
                 images = [r.images for r in group]
                 with _experts(self.sampler):

@@ -420,3 +420,29 @@ def test_the_fast_form_keeps_what_apply_keeps(fields, scale, monkeypatch):
     assert torch.equal(argmax, want.argmax(-1))
     kept, expected = e > 0, ~torch.isinf(want)
     assert ((kept ^ expected).sum(-1) <= 1).all() and (kept ^ expected).sum() <= 2, (kept ^ expected).sum()
+
+
+def test_stop_token_ids_include_stop_str_and_skip_special_tokens(adapter):
+    """vLLM's three output fields: a stop token id ends a choice (ignore_eos or not), a stop string
+    stays in the text when asked, special tokens stay in the text with skip_special_tokens false."""
+    from tests.texts import stop_string_in
+
+    tool = adapter.tokenizer.convert_tokens_to_ids("<|tool>")
+    base = {"prompt": "The river", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    stopped, special, plain, *wholes = _engine_run("fast", [
+        ("completions", {**base, "stop_token_ids": [321], "logit_bias": {"321": 100}}),
+        ("completions", {**base, "logit_bias": {str(tool): 100}, "skip_special_tokens": False}),
+        ("completions", {**base, "logit_bias": {str(tool): 100}}),
+        *[("completions", {**base, "seed": seed, "temperature": 1}) for seed in range(8)]])
+    s = stopped[0]["choices"][0]
+    assert s["finish_reason"] == "stop" and s["text"] == "" and stopped[0]["usage"]["completion_tokens"] == 0
+    assert special[0]["choices"][0]["text"] == "<|tool>" * 40 and plain[0]["choices"][0]["text"] == ""
+    texts = [w[0]["choices"][0]["text"] for w in wholes]
+    seed, text, stop = next(((i, t, stop_string_in(t)) for i, t in enumerate(texts) if stop_string_in(t)),
+                            (None, None, None))
+    assert stop is not None, f"none of {len(texts)} answers had a stop string to take: {texts!r}"
+    again = {**base, "seed": seed, "temperature": 1, "stop": stop}
+    kept, cut = _engine_run("fast", [("completions", {**again, "include_stop_str_in_output": True}),
+                                     ("completions", again)])
+    assert kept[0]["choices"][0]["text"] == text[:text.index(stop) + len(stop)]
+    assert cut[0]["choices"][0]["text"] == text[:text.index(stop)]
