@@ -446,3 +446,22 @@ def test_stop_token_ids_include_stop_str_and_skip_special_tokens(adapter):
                                      ("completions", again)])
     assert kept[0]["choices"][0]["text"] == text[:text.index(stop) + len(stop)]
     assert cut[0]["choices"][0]["text"] == text[:text.index(stop)]
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_echo_streams_the_prompt_first_and_equals_the_whole_answer(adapter, logprobs):
+    import json
+
+    body = {"prompt": TEXT, "echo": True, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "logprobs": logprobs}
+    whole, chunks = _engine_run("fast", [("completions", body), ("completions", {**body, "stream": True})])
+    choice = whole[0]["choices"][0]
+    payloads = [json.loads(c[len("data: "):]) for c in chunks if c.startswith("data: {")]
+    texts = [p["choices"][0]["text"] for p in payloads]
+    assert texts[0] == adapter.tokenizer.decode(adapter.tokenizer(TEXT).input_ids, skip_special_tokens=True)
+    assert "".join(texts) == choice["text"] and choice["text"].startswith(texts[0])
+    if logprobs is not None:
+        joined = {k: [v for p in payloads if p["choices"][0]["logprobs"] for v in p["choices"][0]["logprobs"][k]]
+                  for k in choice["logprobs"]}
+        assert joined == choice["logprobs"]
+        assert choice["logprobs"]["text_offset"] == sorted(choice["logprobs"]["text_offset"])
