@@ -321,3 +321,14 @@ def test_bench_parsing_runs_and_parses_every_call(capsys):
     out = capsys.readouterr().out
     assert "600 tokens in 10 blocks of 64" in out
     assert all(name in out for name in ("plain", "raw", "parsed"))
+
+
+def test_bench_sampling_runs_on_the_tiny_model(capsys):
+    """The sampling-fields benchmark at a small size: every setup runs and the tables print."""
+    from tandem_tools.bench_sampling import main
+
+    main(["--model", "tiny-diffusiongemma", "--rounds", "1", "--concurrency", "2", "--steps", "2",
+          "--max-tokens", "32", "--score-tokens", "70", "--micro", "--variants", "none,top_p=0.9,min_tokens=256"])
+    out = capsys.readouterr().out
+    assert "| fast | 2 | top_p=0.9 |" in out and "| exact | 1 | min_tokens=256 |" in out
+    assert "CPU ms per scored token" in out and "tokens kept per position" in out
