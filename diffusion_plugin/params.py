@@ -71,6 +71,7 @@ GREEDY_SEED = 0  # temperature 0 without a seed: this seed (deterministic)
 GREEDY_EPS = 1e-5  # vLLM's: a temperature below it is greedy sampling (n must be 1)
 MAX_TOP_LOGPROBS = 20
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # vLLM's
+MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # completions: prompts in one request (each has ``n`` choices)
 
 # Fields accepted without effect on the output.
@@ -175,7 +176,7 @@ class _Base(BaseModel):
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=16)
+    n: StrictInt = 1  # 1..MAX_N (``check``: vLLM's words)
     stream: bool = False
     stream_options: dict | None = None
     ignore_eos: bool = False
@@ -206,6 +207,11 @@ class _Base(BaseModel):
         if unknown is not None:
             raise invalid(f"stream_options.{unknown}: not supported by the diffusion engine",
                           param=f"stream_options.{unknown}")
+        if self.n < 1:
+            raise invalid(f"n must be at least 1, got {self.n}.", param="n")
+        if self.n > MAX_N:  # (vLLM's limit is VLLM_MAX_N_SEQUENCES; here each choice is a batch row)
+            raise invalid(f"n must be at most {MAX_N}, got {self.n}. A diffusion request's choices are rows of "
+                          "the denoising batch.", param="n")
         if self.n > 1 and self.temperature is not None and self.temperature < GREEDY_EPS:
             raise invalid(f"n must be 1 when using greedy sampling, got {self.n}.", param="n")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:

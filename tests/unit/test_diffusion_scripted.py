@@ -192,6 +192,10 @@ def test_completions_take_every_prompt_form_with_choices_indexed_as_vllm(tok, st
     ({"prompt": ["a", ""]}, "prompt", "cannot be empty"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "only be defined when `stream=True`"),
     ({"prompt": "a", "n": 2, "temperature": 0}, "n", "n must be 1 when using greedy sampling, got 2."),
+    ({"prompt": "a", "n": 0}, "n", "n must be at least 1, got 0."),
+    ({"prompt": "a", "n": 17}, "n", "n must be at most 16, got 17."),
+    ({"prompt": "a", "seed": -2**63 - 1}, "seed", "[type=greater_than_equal]"),
+    ({"prompt": "a", "top_k": -2}, "top_k", "top_k must be 0 (disable), or at least 1, got -2."),
 ])
 def test_completions_refusals_name_the_field(tok, body, param, words):
     (items,) = serve(tok, [40], [("completions", {"model": "m", "max_tokens": 2, **body})])
