@@ -35,4 +35,5 @@ class RowOutput:
 class StepOutput:
     rows: list[RowOutput] = field(default_factory=list)
     forward_s: float = 0.0  # time inside model forwards (encoder + decoder)
+    cached: dict[str, int] = field(default_factory=dict)  # admitted sequences' prompt tokens found cached
     step_s: float = 0.0  # the whole execute() call

@@ -81,7 +81,7 @@ class DiffusionEngine:
         # The fast mode's KV pool is sized for the budget the scheduler admits against (on a
         # device: its planned pages per layer group).
         runner = Runner(adapter, self.sampler, chunk_rows=self._chunk_rows(), kv_budget_bytes=memory.budget_bytes,
-                        kv_groups=memory.groups)
+                        kv_groups=memory.groups, prefix_cache=self.args.prefix_cache)
         # vLLM's request models and xgrammar (structured outputs) take seconds to import: at
         # start, not in the first constrained request's time.
         await asyncio.to_thread(warm_structured)

@@ -30,6 +30,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from diffusion_plugin.attention import ATTN_BLOCK, FastSpec, PagedKV
+from diffusion_plugin.prefix_cache import PageCache
 
 
 class KVPool:
@@ -49,24 +50,45 @@ class KVPool:
         for t in (*self.k, *self.v):
             t[0].zero_()
         self.free = [list(range(n - 1, 0, -1)) for n in counts]
+        self.cache = PageCache(len(layers))  # references, and the prompt pages kept for reuse
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
     def take(self, layer: int) -> int:
-        if not self.free[layer]:
+        """A zeroed page for one writer: a free one, else the least recently released cached one
+        (a cached page never makes admission wait: its memory is taken back here)."""
+        page = self.free[layer].pop() if self.free[layer] else self.cache.evict(layer)
+        if page is None:
             raise MemoryError(f"KV pool of layer {layer} exhausted ({self.num_pages[layer]} pages): admission should "
                               "have prevented this; this is a bug")
-        page = self.free[layer].pop()
         self.k[layer][page].zero_()
         self.v[layer][page].zero_()
+        self.cache.ref(layer, page)
+        return page
+
+    def adopt(self, layer: int, page: int) -> int:
+        """A cached page shared with one more sequence (read only: it is whole)."""
+        self.cache.ref(layer, page)
         return page
 
     def give(self, layer: int, pages: list[int]) -> None:
-        self.free[layer].extend(reversed(pages))
+        """One reference to each page dropped; a page nobody holds is free again, or kept for
+        reuse while a prompt key names it."""
+        self.free[layer].extend(p for p in reversed(pages) if self.cache.unref(layer, p))
+
+    def reset_cache(self) -> int:
+        """Every cached page no sequence holds, freed (vLLM's ``/reset_prefix_cache``): how many."""
+        freed = 0
+        for layer in range(len(self.k)):
+            pages = self.cache.clear(layer)
+            self.free[layer].extend(pages)
+            freed += len(pages)
+        return freed
 
     def pages_in_use(self, layer: int) -> int:
-        return self.num_pages[layer] - 1 - len(self.free[layer])
+        """Pages sequences hold (cached pages nobody holds are not in use: they are reclaimable)."""
+        return self.num_pages[layer] - 1 - len(self.free[layer]) - len(self.cache.lru[layer])
 
 
 class _Paged:
@@ -78,6 +100,23 @@ class _Paged:
         self.first_page = 0
         self.length = 0  # tokens written
         self.is_initialized = True
+
+    def adopt(self, pages: list[int], first_page: int, length: int) -> None:
+        """Start from cached pages: logical pages ``first_page``.. (shared, whole) holding
+        positions up to ``length`` (a page boundary), as if this sequence had written them."""
+        self.pages = [self.pool.adopt(self.layer, p) for p in pages]
+        self.first_page, self.length = first_page, length
+        if self.window is not None:
+            self.cumulative_length = length
+
+    def page_at(self, logical: int) -> int | None:
+        """The physical page of logical page ``logical``, if this layer holds it."""
+        i = logical - self.first_page
+        return self.pages[i] if 0 <= i < len(self.pages) else None
+
+    def needed_pages(self, length: int) -> range:
+        """The logical pages a position ``length`` reads (its window's, for a sliding layer)."""
+        return range(self.visible_from(length) // ATTN_BLOCK if length else 0, -(-length // ATTN_BLOCK))
 
     def visible_from(self, length: int) -> int:
         """The first position this layer's cache holds once ``length`` tokens are written."""

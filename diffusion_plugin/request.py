@@ -117,6 +117,10 @@ class Sequence:
     score_ids: list[int] = field(default_factory=list)
     score_k: int = 0
     scores: list = field(default_factory=list)
+    # The prefix cache (fast mode): the request's cache_salt (prompts under different salts
+    # share nothing), and the prompt tokens its admission found cached.
+    cache_salt: str | None = None
+    cached_tokens: int = 0
 
     def score_blocks(self, canvas: int) -> int:
         return -(-len(self.score_ids) // canvas)

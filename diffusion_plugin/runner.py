@@ -38,6 +38,8 @@ from diffusion_plugin.families import diffusiongemma_moe as moe
 from diffusion_plugin.families import diffusiongemma_vocab as vocab
 from diffusion_plugin.families.diffusiongemma_vocab import Pins
 from diffusion_plugin.kv_view import FastViews, KVPool, release
+from diffusion_plugin.memory import PAGE_TOKENS
+from diffusion_plugin.prefix_cache import chunks, page_keys
 from diffusion_plugin.request import SCORE_SEED, BlockPlan, SamplingParams, Sequence
 
 SAMPLERS = ("exact", "fast")
@@ -59,6 +61,8 @@ class _Row:
     version: int = 0  # bumped when the cache changes
     images: object | None = None  # this sequence's own image features, until its prompt pass
     grammar: object | None = None  # a constrained sequence's ``grammar.RowGrammar``
+    keys: list | None = None  # prefix cache: the prompt's page keys (None: not cached)
+    prefill: bool = True  # the prompt pass is still to run
     plan: BlockPlan | None = None  # the current block's (``Sequence.plan``)
     bp: SamplingParams | None = None  # the knobs of the current block (a score block's: a plain read)
     pins: Pins | None = None  # the current block's pinned positions
@@ -71,7 +75,7 @@ class _Row:
 
 class Runner:
     def __init__(self, adapter, sampler: str = "exact", chunk_rows: int = 1, kv_budget_bytes: int | None = None,
-                 kv_groups: tuple[memory.KVGroup, ...] = ()):
+                 kv_groups: tuple[memory.KVGroup, ...] = (), prefix_cache: bool = False):
         """Fast mode's KV pool, one ``torch.empty`` per layer: ``kv_groups`` (``memory.plan_pool``,
         the plan the scheduler admits against: a device) gives its pages per layer group.
         Otherwise ``kv_budget_bytes``, the memory budget, sizes it (default: the budget the engine
@@ -87,6 +91,10 @@ class Runner:
         self.kv_groups = tuple(kv_groups)
         self.pool: KVPool | None = None  # fast mode: made at the first admission
         self.rows: dict[str, _Row] = {}
+        # Fast mode only (``prefix_cache``): prompts encoded in page-aligned chunks, their whole
+        # pages kept for reuse in the pool. Exact mode encodes a prompt in one pass, as generate().
+        self.prefix_cache = prefix_cache and sampler == "fast"
+        self.cached: dict[str, int] = {}  # this step's admitted sequences: prompt tokens found cached
         self._views = FastViews()  # fast mode only
         self._scratch = vocab.Scratch()  # fast mode only: two (chunk_rows, C, V) buffers, reused
 
@@ -100,8 +108,33 @@ class Runner:
 
             grammar = RowGrammar(seq.grammar, self.adapter.vocab_size, seq.params.eos_token_ids or
                                  self.adapter.eos_token_ids, self.adapter.canvas_length)
-        self.rows[seq.seq_id] = _Row(seq=seq, cache=cache, generator=gen, pending=pending, images=seq.images,
-                                     grammar=grammar)
+        row = self.rows[seq.seq_id] = _Row(seq=seq, cache=cache, generator=gen, pending=pending,
+                                           images=seq.images, grammar=grammar)
+        if self.prefix_cache and seq.images is None and not seq.score_ids:  # (images, scoring: not yet)
+            self._adopt(row)
+
+    def _adopt(self, row: _Row) -> None:
+        """A new sequence starts from the cached pages of its prompt's longest cached prefix (at
+        least one token is left to encode)."""
+        pool, prompt = self.pool, row.seq.prompt_ids
+        row.keys = page_keys(prompt, row.seq.cache_salt)
+        layers = row.cache.layers
+        keys = row.keys[:(len(prompt) - 1) // PAGE_TOKENS]
+        j = pool.cache.lookup(keys, lambda layer, n: layers[layer].needed_pages(n * PAGE_TOKENS), len(prompt))
+        if j:
+            for i, layer in enumerate(layers):
+                need = layer.needed_pages(j * PAGE_TOKENS)
+                layer.adopt([pool.cache.page(keys[k], i) for k in need], need.start, j * PAGE_TOKENS)
+            row.pending = row.pending[:, j * PAGE_TOKENS:]
+            row.cur_len = j * PAGE_TOKENS
+        self.cached[row.seq.seq_id] = j * PAGE_TOKENS
+
+    def _register(self, row: _Row, page: int) -> None:
+        """The prompt's whole page ``page`` is written: each layer that holds it keeps it for reuse."""
+        for i, layer in enumerate(row.cache.layers):
+            physical = layer.page_at(page)
+            if physical is not None:
+                self.pool.cache.register(row.keys[page], i, physical)
 
     def free(self, seq_id: str) -> None:
         row = self.rows.pop(seq_id, None)
@@ -113,7 +146,7 @@ class Runner:
         left a row's pages half written)."""
         self.rows.clear()
         self._views.reset()
-        self.pool = None
+        self.pool = None  # (and the prefix cache with it)
 
     def _kv_pool(self) -> KVPool:
         if self.pool is None:
@@ -143,6 +176,7 @@ class Runner:
         t0 = time.perf_counter()
         for seq_id in batch.free:
             self.free(seq_id)
+        self.cached = {}
         for seq_id in batch.admit:
             self.admit(seqs[seq_id])
         forward_s = 0.0
@@ -157,9 +191,17 @@ class Runner:
             # row's K/V by ~1e-6 and flipped its samples (left-padding to a batch mate's length did
             # the same). Whole-canvas commits batched are row-invariant (tested).
             C = self.adapter.canvas_length
-            groups = ([[r] for r in encoding] if self.sampler == "exact" else
-                      _by_length([r for r in encoding if r.pending.shape[1] == C]) +
-                      [[r] for r in encoding if r.pending.shape[1] != C])
+            chunked = [r for r in encoding if r.keys is not None and r.prefill]
+            rest = [r for r in encoding if r.keys is None or not r.prefill]
+            groups = ([[r] for r in rest] if self.sampler == "exact" else
+                      _by_length([r for r in rest if r.pending.shape[1] == C]) +
+                      [[r] for r in rest if r.pending.shape[1] != C])
+            for row in chunked:  # the prompt in page-aligned chunks, each whole page kept
+                for a, b in chunks(row.cur_len, row.cur_len + row.pending.shape[1]):
+                    with _experts(self.sampler):
+                        self.adapter.encode([row.cache], [row.pending[:, a - row.cur_len:b - row.cur_len]], [a])
+                    if b % PAGE_TOKENS == 0:
+                        self._register(row, b // PAGE_TOKENS - 1)
             for group in groups:
                 images = [r.images for r in group]
                 with _experts(self.sampler):
@@ -168,6 +210,7 @@ class Runner:
                                         images if any(i is not None for i in images) else None)
             forward_s += time.perf_counter() - t
         for row in encoding:
+            row.prefill = False
             row.images = row.seq.images = None  # in the cache now: the features are freed
             row.cur_len += row.pending.shape[1]
             row.version += 1
@@ -183,6 +226,7 @@ class Runner:
             forward_s += time.perf_counter() - t
             out.rows = self._sample(rows, hidden)
         out.forward_s = forward_s
+        out.cached = self.cached
         out.step_s = time.perf_counter() - t0
         return out
 

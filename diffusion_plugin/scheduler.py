@@ -160,6 +160,9 @@ class Scheduler:
     def update(self, out: StepOutput) -> tuple[list[Committed], list[Finished]]:
         """Apply the runner's results. Rows of sequences aborted meanwhile are skipped."""
         committed, finished = [], []
+        for seq_id, tokens in out.cached.items():
+            if seq_id in self.running:
+                self.running[seq_id].cached_tokens = tokens
         for row in out.rows:
             seq = self.running.get(row.seq_id)
             if seq is None or seq.status is not SeqStatus.DENOISING:
