@@ -81,6 +81,7 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache (None: no cache)
 
 
 Event = Preview | Prompt | Delta | End | Usage
@@ -295,6 +296,8 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
             else:
                 usage = {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
                          "total_tokens": ev.prompt_tokens + ev.completion_tokens}
+                if ev.cached_tokens is not None:  # vLLM's prompt_tokens_details (with its prefix cache)
+                    usage["prompt_tokens_details"] = {"cached_tokens": ev.cached_tokens}
     except TandemError as e:
         yield e
         return

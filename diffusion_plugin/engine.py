@@ -30,6 +30,7 @@ from diffusion_plugin.loop import DiffusionLoop, EventKind
 from diffusion_plugin.memory import (
     GIB,
     KV_FRACTION,
+    PAGE_TOKENS,
     MemoryBudget,
     default_budget_bytes,
     host_available_bytes,
@@ -98,9 +99,12 @@ class DiffusionEngine:
         self.parsers = Parsers(adapter.tokenizer, self.args.tool_call_parser, self.args.reasoning_parser)
         self.loop = DiffusionLoop(scheduler, runner)
         self.loop.start()
-        return EngineInfo(model=self.model, kind="diffusion", max_model_len=adapter.max_position,
-                          extra={"canvas_length": adapter.canvas_length, "max_batch": self.max_batch,
-                                 "boundaries": "row" if self.row_boundaries else "block"})
+        extra = {"canvas_length": adapter.canvas_length, "max_batch": self.max_batch,
+                 "boundaries": "row" if self.row_boundaries else "block"}
+        if getattr(runner, "prefix_cache", False):  # the prefix cache's capacity, as a vLLM replica reports it
+            pages = runner.kv_pages()
+            extra["kv_cache_tokens"] = (min(pages) if isinstance(pages, list) else pages) * PAGE_TOKENS - PAGE_TOKENS
+        return EngineInfo(model=self.model, kind="diffusion", max_model_len=adapter.max_position, extra=extra)
 
     def _chunk_rows(self) -> int:
         # CPU: one row at a time (a C x V matmul is already large); a GPU takes a few rows per pass.
@@ -255,7 +259,11 @@ class DiffusionEngine:
                     yield End(i, rest.text, text.finish_reason(ev.seq.status),
                               _shifted(rest.entries, shift[i]) if sreq.logprobs is not None else None, rest.ids,
                               text.num_tokens)
-            yield Usage(sum(map(len, sreq.prompts)), sum(t.num_tokens for t in texts))  # each prompt once, as vLLM
+            cached = None
+            if self.args.prefix_cache and self.sampler == "fast":  # each prompt's, once (its choices share it)
+                cached = sum(max(s.cached_tokens for s in seqs[p * sreq.n:(p + 1) * sreq.n])
+                             for p in range(len(sreq.prompts)))
+            yield Usage(sum(map(len, sreq.prompts)), sum(t.num_tokens for t in texts), cached)  # each prompt once
         finally:
             for s in seqs:
                 if not s.status.finished:
@@ -311,8 +319,13 @@ class DiffusionEngine:
             "kv_pool_bytes": mem.pool_bytes if mem else 0,  # a device's page pool (planned): part of the budget
             "kv_pages_reserved": list(s.pages_reserved),  # per layer group (full first), one layer's pages
             "kv_pages_capacity": [g.pages for g in mem.groups] if mem else [],
-            "waiting_for_memory": st.waiting_for_memory, **self.intake.image_stats},
+            "waiting_for_memory": st.waiting_for_memory, "tokens_scored": st.tokens_scored,
+            **self.intake.image_stats, **self._prefix_stats()},
             progress=st.row_steps + st.encode_passes)
+
+    def _prefix_stats(self) -> dict:
+        runner = self.loop.runner
+        return runner.prefix_stats() if getattr(runner, "prefix_cache", False) else {}
 
     async def shutdown(self) -> None:
         if self.loop is not None:

@@ -39,6 +39,7 @@ class SeqRequest:
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: they end a choice as EOS does, ignore_eos or not
     include_stop: bool = False  # vLLM's include_stop_str_in_output
     keep_special: bool = False  # vLLM's skip_special_tokens: false
+    cache_salt: str | None = None  # vLLM's: the prefix cache shares pages only under one salt
     grammar: object | None = None  # a structured output's compiled grammar (``diffusion_plugin.grammar``)
     raw_text: bool = False  # a parser reads the text: special tokens kept, whole tokens (``chunks.ChoiceText``)
     more_prompts: list[list[int]] = field(default_factory=list)  # completions: the prompts after the first
@@ -67,7 +68,7 @@ class SeqRequest:
                                                previews=self.previews, logprobs=self.logprobs,
                                                **self.sampling, **knobs),
                          images=self.images, grammar=self.grammar, score_ids=list(prompt[1:]) if scoring else [],
-                         score_k=self.score_k or 0)
+                         score_k=self.score_k or 0, cache_salt=self.cache_salt)
                 for p, prompt in enumerate(self.prompts) for i in range(self.n)]
 
 
@@ -129,7 +130,7 @@ class Intake:
                           logprobs, ignore_eos=ignore_eos, stop_token_ids=stop_ids,
                           include_stop=bool(getattr(req, "include_stop_str_in_output", False)),
                           keep_special=not getattr(req, "skip_special_tokens", True), more_prompts=more,
-                          sampling=sampling, score_k=score_k,
+                          sampling=sampling, score_k=score_k, cache_salt=getattr(req, "cache_salt", None),
                           echo=bool(getattr(req, "echo", False)), prompt_logprobs=req.prompt_logprobs is not None
                           if hasattr(req, "prompt_logprobs") else False)
 

@@ -175,6 +175,7 @@ class _Base(BaseModel):
     allowed_token_ids: list[StrictInt] | None = None
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prompts under different salts share nothing
     stop: str | list[str] | None = None
     n: StrictInt = 1  # 1..MAX_N (``check``: vLLM's words)
     stream: bool = False

@@ -57,8 +57,6 @@ class PageCache:
         self.key_of: list[dict[int, bytes]] = [{} for _ in range(num_layers)]  # registered page -> key
         self.lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_layers)]  # unreferenced
         self.pages: dict[bytes, list[int | None]] = {}  # key -> its page per layer (None: not kept)
-        self.queries = 0  # prompt tokens looked up (whole pages' worth)
-        self.hits = 0  # prompt tokens found
         self.evictions = 0
 
     # -- references ----------------------------------------------------------------------
@@ -109,16 +107,14 @@ class PageCache:
             held[layer] = page
             self.key_of[layer][page] = key
 
-    def lookup(self, keys: list[bytes], needed: Callable[[int, int], range], tokens: int) -> int:
+    def lookup(self, keys: list[bytes], needed: Callable[[int, int], range]) -> int:
         """The most leading pages of ``keys`` a new sequence can adopt: j such that, for each
         layer, every page in ``needed(layer, j)`` (the pages its position ``j * PAGE_TOKENS`` reads)
-        is cached. Counts the query (``tokens``: the prompt's) and the hit."""
+        is cached."""
         j = len(keys)
         while j > 0 and not all(self.pages.get(keys[i]) is not None and self.pages[keys[i]][layer] is not None
                                 for layer in range(self.num_layers) for i in needed(layer, j)):
             j -= 1
-        self.queries += tokens
-        self.hits += j * PAGE_TOKENS
         return j
 
     def page(self, key: bytes, layer: int) -> int:

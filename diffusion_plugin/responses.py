@@ -58,6 +58,7 @@ class ResponsesBody(BaseModel):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # vLLM's range (int64)
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prompts under different salts share nothing
     top_p: float | None = Field(None, gt=0, le=1)  # vLLM's sampling field (``diffusion_plugin.filters``)
     stream: bool = False
     text: dict[str, Any] | None = None
@@ -175,7 +176,7 @@ async def serve_responses(engine, body: dict, request_id: str) -> AsyncIterator:
     tool_mode = structured.tool_mode if structured is not None else None
     rid = request_id if request_id.startswith("resp_") else f"resp_{request_id}"
     created = int(time.time())
-    text, ids, finish, usage = "", [], "stop", (0, 0)
+    text, ids, finish, usage = "", [], "stop", (0, 0, 0)
     seq = 0
 
     def event(kind: str, **fields) -> str:
@@ -203,7 +204,7 @@ async def serve_responses(engine, body: dict, request_id: str) -> AsyncIterator:
 
     def response(status: str, output: list[dict]) -> dict:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        inp, n_out = usage
+        inp, n_out, cached = usage
         return {"id": rid, "object": "response", "created_at": created, "model": engine.model, "status": status,
                 "error": None, "incomplete_details": incomplete, "instructions": req.instructions,
                 "max_output_tokens": req.max_output_tokens, "metadata": body.get("metadata"), "output": output,
@@ -212,7 +213,7 @@ async def serve_responses(engine, body: dict, request_id: str) -> AsyncIterator:
                 "top_p": 1.0, "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled",
                 "store": False, "background": False, "user": body.get("user"),
                 "usage": None if status == "in_progress" else {
-                    "input_tokens": inp, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n_out,
+                    "input_tokens": inp, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": n_out,
                     "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": inp + n_out}}
 
     try:
@@ -235,7 +236,7 @@ async def serve_responses(engine, body: dict, request_id: str) -> AsyncIterator:
                         for e in out.add(fields(ev)):
                             yield e
                 else:
-                    usage = (ev.prompt_tokens, ev.completion_tokens)
+                    usage = (ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens or 0)
         status = "incomplete" if finish == "length" else "completed"
         if not req.stream:  # the whole answer's items, as vLLM builds them
             if parsing is not None:

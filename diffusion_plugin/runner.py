@@ -95,6 +95,7 @@ class Runner:
         # pages kept for reuse in the pool. Exact mode encodes a prompt in one pass, as generate().
         self.prefix_cache = prefix_cache and sampler == "fast"
         self.cached: dict[str, int] = {}  # this step's admitted sequences: prompt tokens found cached
+        self.prefix_queries = self.prefix_hits = 0  # since start (a pool reset keeps them: counters)
         self._views = FastViews()  # fast mode only
         self._scratch = vocab.Scratch()  # fast mode only: two (chunk_rows, C, V) buffers, reused
 
@@ -120,7 +121,9 @@ class Runner:
         row.keys = page_keys(prompt, row.seq.cache_salt)
         layers = row.cache.layers
         keys = row.keys[:(len(prompt) - 1) // PAGE_TOKENS]
-        j = pool.cache.lookup(keys, lambda layer, n: layers[layer].needed_pages(n * PAGE_TOKENS), len(prompt))
+        j = pool.cache.lookup(keys, lambda layer, n: layers[layer].needed_pages(n * PAGE_TOKENS))
+        self.prefix_queries += len(prompt)  # (vLLM's prefix-cache counters: prompt tokens queried and found)
+        self.prefix_hits += j * PAGE_TOKENS
         if j:
             for i, layer in enumerate(layers):
                 need = layer.needed_pages(j * PAGE_TOKENS)
@@ -150,17 +153,26 @@ class Runner:
 
     def _kv_pool(self) -> KVPool:
         if self.pool is None:
-            shape = self.adapter.memory_shape()
-            if self.kv_groups:
-                pages = [max(2, n) for n in memory.layer_pages(shape, self.kv_groups)]
-            else:
-                budget = self.kv_budget_bytes
-                if budget is None:
-                    transient = memory.step_transient_bytes(shape, self.sampler, self.chunk_rows)
-                    budget = memory.default_budget_bytes(_free_bytes(self.adapter.device), transient)
-                pages = max(2, memory.pool_pages(shape, budget, lazy=self.adapter.device.type == "cpu"))
-            self.pool = KVPool(self.adapter.kv_layout(), pages, self.adapter.model.dtype, self.adapter.device)
+            self.pool = KVPool(self.adapter.kv_layout(), self.kv_pages(), self.adapter.model.dtype, self.adapter.device)
         return self.pool
+
+    def kv_pages(self) -> int | list[int]:
+        """The fast mode's pool size: pages per layer (with the null page), or one count for all."""
+        shape = self.adapter.memory_shape()
+        if self.kv_groups:
+            return [max(2, n) for n in memory.layer_pages(shape, self.kv_groups)]
+        budget = self.kv_budget_bytes
+        if budget is None:
+            transient = memory.step_transient_bytes(shape, self.sampler, self.chunk_rows)
+            budget = memory.default_budget_bytes(_free_bytes(self.adapter.device), transient)
+        return max(2, memory.pool_pages(shape, budget, lazy=self.adapter.device.type == "cpu"))
+
+    def prefix_stats(self) -> dict:
+        """The prefix cache's counters and what it holds now (fast mode with ``prefix_cache``)."""
+        pool = self.pool
+        return {"prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
+                "kv_cached_pages": pool.cache.cached_pages() if pool is not None else 0,
+                "prefix_cache_evictions": pool.cache.evictions if pool is not None else 0}
 
     def held_bytes(self) -> int:
         """Bytes held by sequences between steps beyond their KV caches (for measurements)."""

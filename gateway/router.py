@@ -99,7 +99,7 @@ class ModelPool:
         self.rng = rng or random.Random()
         if routing not in ("p2c", "prefix"):
             raise ValueError(f"routing: p2c or prefix, not {routing!r}")
-        self.routing = routing if kind == "autoregressive" else "p2c"  # config refuses prefix on diffusion
+        self.routing = routing  # (the config allows prefix on a diffusion model only with its prefix cache)
         self.prefix_load_factor = prefix_load_factor
         # Blocks each replica's index holds; None: the engine's KV capacity (``kv_cache_tokens``
         # in its info) in blocks, else ``DEFAULT_INDEX_BLOCKS``.

@@ -39,8 +39,7 @@ def test_page_cache_references_lru_and_eviction():
     cache.ref(0, 1)  # adopted again: out of the LRU
     assert cache.evict(0) == 2 and cache.pages.get(b"k2") is None
     assert cache.evict(0) is None  # page 1 is referenced
-    assert cache.lookup([b"k1", b"k2"], lambda layer, n: range(0, n), 600) == 1
-    assert (cache.queries, cache.hits) == (600, PAGE_TOKENS)
+    assert cache.lookup([b"k1", b"k2"], lambda layer, n: range(0, n)) == 1
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +144,50 @@ def test_cached_pages_give_way_when_memory_is_needed(adapter):
     for layer in range(len(pool.k)):
         assert pool.pages_in_use(layer) == 0 and not pool.cache.refs[layer]
     assert pool.reset_cache() > 0 and pool.cache.cached_pages() == 0
+
+
+def test_the_engine_reports_cached_tokens_and_honours_cache_salt(adapter):
+    """Through the engine (fast sampler, prefix_cache on): usage's prompt_tokens_details.cached_tokens
+    on chat and completions, input_tokens_details on Responses, the salt, the counters; an answer
+    with its prefix cached equals the one computed."""
+    import asyncio
+
+    from diffusion_plugin.engine import DiffusionEngine
+
+    path = str(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA))
+    text = " ".join(f"w{i % 97}" for i in range(700))
+    body = {"model": "m", "prompt": text, "max_tokens": 40, "temperature": 0}
+    chat = {"model": "m", "messages": [{"role": "system", "content": text}, {"role": "user", "content": "Hi"}],
+            "max_tokens": 8}
+
+    async def main():
+        engine = DiffusionEngine("m", path, {"sampler": "fast", "num_threads": 1, "prefix_cache": True})
+        started = await engine.start()
+
+        async def one(route, b, rid):
+            return [x async for x in getattr(engine, route)(b, rid)]
+        try:
+            first = await one("completions", body, "a")
+            second = await one("completions", body, "b")
+            salted = await one("completions", {**body, "cache_salt": "t1"}, "c")
+            await one("chat", chat, "d")
+            chat2 = await one("chat", {**chat, "messages": chat["messages"][:1] + [{"role": "user", "content": "Yo"}]},
+                              "e")
+            resp = await one("responses", {"model": "m", "instructions": text, "input": "Yo", "max_output_tokens": 8},
+                             "f")
+            stats = await engine.stats()
+            return started, first[0], second[0], salted[0], chat2[0], resp, stats
+        finally:
+            await engine.shutdown()
+
+    info, first, second, salted, chat2, resp, stats = asyncio.run(main())
+    assert info.extra["kv_cache_tokens"] > 0
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= PAGE_TOKENS and cached % PAGE_TOKENS == 0 and cached < second["usage"]["prompt_tokens"]
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert chat2["usage"]["prompt_tokens_details"]["cached_tokens"] >= PAGE_TOKENS  # the system prompt's pages
+    assert resp[0]["usage"]["input_tokens_details"]["cached_tokens"] >= PAGE_TOKENS
+    assert stats.extra["prefix_cache_hits"] >= 2 * PAGE_TOKENS and stats.extra["prefix_cache_queries"] > 0
+    assert stats.extra["kv_cached_pages"] > 0

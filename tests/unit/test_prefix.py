@@ -80,10 +80,14 @@ def test_index_is_bounded_and_forgets_least_recently_used_tails_first():
     assert len(index) == 0 and index.match((999,)) == 0
 
 
-def test_config_refuses_prefix_routing_on_a_diffusion_model():
+def test_config_takes_prefix_routing_on_a_diffusion_model_only_with_its_prefix_cache():
     ar = {"name": "m", "kind": "autoregressive", "source": "x", "routing": "prefix"}
     assert parse_config({"models": [ar]}).models[0].routing == "prefix"
     assert parse_config({"models": [{**ar, "routing": "p2c"}]}).models[0].routing == "p2c"
-    with pytest.raises(ConfigError) as e:
-        parse_config({"models": [{"name": "d", "kind": "diffusion", "source": "x", "routing": "prefix"}]})
-    assert "models.0" in str(e.value) and "routing" in str(e.value) and "autoregressive" in str(e.value)
+    diffusion = {"name": "d", "kind": "diffusion", "source": "x", "routing": "prefix"}
+    for engine_args in ({}, {"sampler": "fast"}, {"sampler": "exact", "prefix_cache": True}):
+        with pytest.raises(ConfigError) as e:
+            parse_config({"models": [{**diffusion, "engine_args": engine_args}]})
+        assert "models.0" in str(e.value) and "routing" in str(e.value) and "prefix_cache" in str(e.value)
+    cached = {**diffusion, "engine_args": {"sampler": "fast", "prefix_cache": True}}
+    assert parse_config({"models": [cached]}).models[0].routing == "prefix"

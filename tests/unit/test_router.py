@@ -231,7 +231,7 @@ def test_prefix_blocks_only_under_prefix_routing():
     body = take_in({"messages": [{"role": "user", "content": "x" * 2000}]}, "chat")
     assert len(_pool(ReplicaState.HEALTHY, routing="prefix").prefix_blocks(body)) == 7
     assert _pool(ReplicaState.HEALTHY).prefix_blocks(body) == ()  # p2c: nothing computed
-    assert _pool(ReplicaState.HEALTHY, kind="diffusion", routing="prefix").routing == "p2c"
+    assert _pool(ReplicaState.HEALTHY, kind="diffusion", routing="prefix").routing == "prefix"  # (its cache)
     with pytest.raises(ValueError, match="routing"):
         _pool(ReplicaState.HEALTHY, routing="random")
 
