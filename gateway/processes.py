@@ -167,6 +167,13 @@ async def _parent(config: TandemConfig, make_deployment, owner: bool, log_level:
     from gateway.service import Service
     from gateway.shared_limits import create_shared_limits
 
+    # The port first, before Ray starts its own processes (any of which may take a free port): a
+    # port in use fails here, in one line, and nothing else can take it meanwhile.
+    try:
+        sock = bind_socket(config.gateway.host, config.gateway.port)
+    except OSError as e:
+        logger.error("tandem: cannot listen on %s:%d: %s", config.gateway.host, config.gateway.port, e.strerror or e)
+        return 2
     deployment = make_deployment(config, role="owner") if owner else None  # starts a local Ray
     # After Ray started its own processes (they use prometheus_client too), before any metric of
     # ours exists; the gateway processes inherit it.
@@ -180,7 +187,6 @@ async def _parent(config: TandemConfig, make_deployment, owner: bool, log_level:
         address = deployment.gcs_address()
         config = config.model_copy(update={"ray": config.ray.model_copy(update={"address": address})})
     limits_path = create_shared_limits(config, workdir)
-    sock = bind_socket(config.gateway.host, config.gateway.port)
     group = ProcessGroup(config, make_deployment, sock, log_level, access_log, limits_path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -13,7 +13,7 @@ from gateway.config import ConfigError, load_config
 from gateway.server import run_server
 from gateway.service import Service
 from tandem_core.config import DEFAULT_CONFIG
-from tandem_tools import bench, bench_diffusion, bench_prefix
+from tandem_tools import bench, bench_diffusion, bench_diffusion_prefix, bench_prefix
 from workers import tiny_models
 from workers.deployment import RayDeployment
 
@@ -50,13 +50,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return serve_processes(config, ray_deployment, owner=not args.attach, log_level=args.log_level,
                                access_log=args.access_log)
-    # One process. On a cluster (ray.address) the replicas are named actors, so that `tandem serve
-    # --attach` on other nodes can serve them too; locally they are anonymous, as always.
+    # One process. The port first, before Ray starts its own processes (any of which may take a free
+    # port): a port in use fails here, in one line. On a cluster (ray.address) the replicas are
+    # named actors, so that `tandem serve --attach` on other nodes can serve them too; locally they
+    # are anonymous, as always.
+    from gateway.processes import bind_socket
+
+    try:
+        sock = bind_socket(gw.host, gw.port)
+    except OSError as e:
+        print(f"tandem: cannot listen on {gw.host}:{gw.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
     role = "attached" if args.attach else "owner" if config.ray.address else "solo"
     service = Service(config, ray_deployment(config, role=role), attached=args.attach)
     logger.info("tandem listening on http://%s:%d/v1 (models load in the background; GET /ready)",
                 gw.host, gw.port)
-    run_server(build_app(service), service, log_level=args.log_level, access_log=args.access_log)
+    run_server(build_app(service), service, log_level=args.log_level, access_log=args.access_log, sockets=[sock])
     return 0
 
 
@@ -83,6 +92,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return bench_diffusion.main(args)
     if args.mode == "prefix":
         return bench_prefix.main(args)
+    if args.mode == "diffusion-prefix":
+        return bench_diffusion_prefix.main(args)
     return bench.main(args)
 
 
@@ -130,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(bench_parser)
     bench_diffusion.add_arguments(bench_parser)
     bench_prefix.add_arguments(bench_parser)
+    bench_diffusion_prefix.add_arguments(bench_parser)
     bench_parser.set_defaults(func=cmd_bench)
     return parser
 

@@ -15,7 +15,11 @@ import logging
 import shutil
 from pathlib import Path
 
-from workers.tiny_models.diffusiongemma import build_shape_diffusiongemma, build_tiny_diffusiongemma
+from workers.tiny_models.diffusiongemma import (
+    build_shape_diffusiongemma,
+    build_shape_diffusiongemma_deep,
+    build_tiny_diffusiongemma,
+)
 from workers.tiny_models.llama import build_tiny_llama
 
 logger = logging.getLogger(__name__)
@@ -27,11 +31,13 @@ TINY_DIFFUSIONGEMMA = "tiny-diffusiongemma"
 # DiffusionGemma's real canvas (256) and vocabulary (262,144) on a tiny trunk: ~170 MB, built in
 # seconds; for benchmarks and tests/gpu (``diffusiongemma`` says why).
 SHAPE_DIFFUSIONGEMMA = "shape-diffusiongemma"
+# The same on a trunk of 8 layers 1,024 wide, where prompt work matters (the prefix-cache benchmark).
+SHAPE_DIFFUSIONGEMMA_DEEP = "shape-diffusiongemma-deep"
 BUILDERS = {TINY_LLAMA: build_tiny_llama, TINY_DIFFUSIONGEMMA: build_tiny_diffusiongemma,
-            SHAPE_DIFFUSIONGEMMA: build_shape_diffusiongemma}
+            SHAPE_DIFFUSIONGEMMA: build_shape_diffusiongemma, SHAPE_DIFFUSIONGEMMA_DEEP: build_shape_diffusiongemma_deep}
 # A model's own recipe version, so that a new or changed model does not rebuild the others.
 # 4, 3: Gemma 4's chat format and markers (special tokens) in the tokenizer; <turn|> is the EOS.
-VERSIONS = {TINY_LLAMA: BUILD_VERSION, TINY_DIFFUSIONGEMMA: 4, SHAPE_DIFFUSIONGEMMA: 3}
+VERSIONS = {TINY_LLAMA: BUILD_VERSION, TINY_DIFFUSIONGEMMA: 4, SHAPE_DIFFUSIONGEMMA: 3, SHAPE_DIFFUSIONGEMMA_DEEP: 1}
 
 
 # The libraries whose versions can change a build's bytes (the tokenizer is trained, the weights
@@ -85,6 +91,9 @@ def build(name: str, root: Path = DEFAULT_DIR, force: bool = False) -> Path:
     return path
 
 
+ON_DEMAND = (SHAPE_DIFFUSIONGEMMA_DEEP,)  # ~3.6 GB: built when a benchmark or config names it, never by build_all
+
+
 def build_all(root: Path = DEFAULT_DIR, force: bool = False, only: list[str] | None = None) -> list[Path]:
-    """Build every built-in model (or only the named ones) that is missing or stale."""
-    return [build(name, root, force) for name in (only or BUILDERS)]
+    """Build every built-in model but the on-demand ones (or only the named ones) that is missing or stale."""
+    return [build(name, root, force) for name in (only or [n for n in BUILDERS if n not in ON_DEMAND])]

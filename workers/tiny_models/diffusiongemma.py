@@ -160,7 +160,26 @@ def build_shape_diffusiongemma(out: Path, seed: int = 0) -> None:
     _build(out, seed, canvas_length=SHAPE_CANVAS_LENGTH, vocab_size=SHAPE_VOCAB_SIZE, text=SHAPE_ATTENTION)
 
 
-def _build(out: Path, seed: int, canvas_length: int, vocab_size: int | None, text: dict) -> None:
+# The trunk of the tiny and shape models (2 layers, 128 wide).
+TINY_TRUNK = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+              "layer_types": ["sliding_attention", "full_attention"], "moe_intermediate_size": 64}
+# ``shape-diffusiongemma-deep``: 8 layers (Gemma 4's pattern: sliding, then a full one) 1,024 wide,
+# heavy enough for prompt work to matter (the prefix-cache benchmark), ~0.9B parameters float32.
+DEEP_TRUNK = {"hidden_size": 1024, "intermediate_size": 1024, "num_hidden_layers": 8,
+              "layer_types": ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3
+              + ["full_attention"], "moe_intermediate_size": 32}
+
+
+def build_shape_diffusiongemma_deep(out: Path, seed: int = 0) -> None:
+    """Build ``shape-diffusiongemma-deep``: ``shape-diffusiongemma``'s canvas, vocabulary and
+    attention/MoE layout on a trunk of 8 layers 1,024 wide (``DEEP_TRUNK``), where a long prompt's
+    encoder pass costs seconds on a CPU (the prefix cache's benchmark)."""
+    _build(out, seed, canvas_length=SHAPE_CANVAS_LENGTH, vocab_size=SHAPE_VOCAB_SIZE, text=SHAPE_ATTENTION,
+           trunk=DEEP_TRUNK)
+
+
+def _build(out: Path, seed: int, canvas_length: int, vocab_size: int | None, text: dict,
+           trunk: dict = TINY_TRUNK) -> None:
     import torch
     from transformers import (
         AutoTokenizer,
@@ -197,11 +216,7 @@ def _build(out: Path, seed: int, canvas_length: int, vocab_size: int | None, tex
 
     text_config = DiffusionGemmaTextConfig(
         vocab_size=vocab,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        layer_types=["sliding_attention", "full_attention"],
-        moe_intermediate_size=64,
+        **trunk,
         initializer_range=INITIALIZER_RANGE,
         pad_token_id=ids["<pad>"],
         bos_token_id=ids["<s>"],
