@@ -260,7 +260,7 @@ class DiffusionEngine:
                               _shifted(rest.entries, shift[i]) if sreq.logprobs is not None else None, rest.ids,
                               text.num_tokens)
             cached = None
-            if self.args.prefix_cache and self.sampler == "fast":  # each prompt's, once (its choices share it)
+            if getattr(self.loop.runner, "prefix_cache", False):  # each prompt's, once (its choices share it)
                 cached = sum(max(s.cached_tokens for s in seqs[p * sreq.n:(p + 1) * sreq.n])
                              for p in range(len(sreq.prompts)))
             yield Usage(sum(map(len, sreq.prompts)), sum(t.num_tokens for t in texts), cached)  # each prompt once

@@ -28,10 +28,11 @@ class DiffusionEngineArgs(BaseModel):
                                                 "boundaries; row: each row commits and is replaced on its own.")
     sampler: Literal["exact", "fast"] = Field("exact", description="exact: bit-exact with HF generate() run alone; "
                                               "fast: batch-invariant and fused, not equal to generate().")
-    prefix_cache: bool = Field(False, description="Fast sampler only: keep prompts' KV pages for reuse by later "
-                               "prompts with the same prefix (page-aligned chunks, so a hit changes no bit of an "
-                               "answer). In progress (issue 24): off by default until its routing and metrics land; "
-                               "the exact sampler encodes a prompt in one pass, as generate(), and never caches.")
+    prefix_cache: bool = Field(True, description="Fast sampler only: keep prompts' whole KV pages for reuse by "
+                               "later prompts with the same prefix (and cache_salt), as vLLM's automatic prefix "
+                               "caching; prompts are encoded in page-aligned chunks, so a hit changes no bit of an "
+                               "answer. The exact sampler encodes a prompt in one pass, as generate(), and never "
+                               "caches (this is then ignored).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="The weights' torch dtype.")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="Where the model runs: cpu, cuda or "
                         "cuda:<index>.")

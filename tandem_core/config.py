@@ -188,7 +188,7 @@ class ModelConfig(_Strict):
     routing: Literal["p2c", "prefix"] = Field(
         "p2c", description="How a request picks a replica: `p2c` (power of two choices on load) or `prefix` "
         "(the replica likely to hold the longest cached prefix of the prompt, within a load bound; a diffusion "
-        "model needs engine_args sampler: fast and prefix_cache: true).")
+        "model needs engine_args sampler: fast, whose prefix cache is on unless prefix_cache: false).")
     session_affinity: SessionAffinity = Field(default_factory=SessionAffinity,
                                               description="Optional session affinity (autoregressive only).")
     max_tokens_ceiling: int | None = Field(
@@ -224,9 +224,9 @@ class ModelConfig(_Strict):
     @model_validator(mode="after")
     def _prefix_routing_is_autoregressive(self) -> ModelConfig:
         if self.routing == "prefix" and self.kind is not ModelKind.AUTOREGRESSIVE and not (
-                self.engine_args.get("sampler") == "fast" and self.engine_args.get("prefix_cache") is True):
+                self.engine_args.get("sampler") == "fast" and self.engine_args.get("prefix_cache", True) is True):
             raise ValueError("routing: `prefix` routes by what a replica's prefix cache holds; a diffusion model has "
-                             "one with engine_args sampler: fast and prefix_cache: true (else use `p2c`)")
+                             "one with engine_args sampler: fast (and prefix_cache not false; else use `p2c`)")
         return self
 
     @field_validator("name")

@@ -66,7 +66,9 @@ async def _run(engine_args: dict, model_path: str, args) -> dict:
     rss0, peak = _rss_bytes(), {"reserved": 0, "rss": 0}
     ttfts: dict[str, list[float]] = {"shared": [], "conversation": []}
     out_tokens, failures, cached = 0, 0, {"shared": [], "conversation": []}
-    sampling = {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+    # logprobs: every committed block is a chunk even where its tokens have no text (the shape models'
+    # ids past the tiny tokenizer's): the first one's arrival is the TTFT.
+    sampling = {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0, "stream": True, "logprobs": 0,
                 "stream_options": {"include_usage": True}, "diffusion": {"max_denoising_steps": args.steps or 2}}
 
     async def watch():
@@ -93,7 +95,7 @@ async def _run(engine_args: dict, model_path: str, args) -> dict:
                         details = chunk["usage"].get("prompt_tokens_details") or {}
                         cached[phase].append(details.get("cached_tokens", 0))
                 for c in chunk["choices"]:
-                    if c.get("text") and ttft is None:
+                    if (c.get("text") or c.get("logprobs")) and ttft is None:
                         ttft = time.perf_counter() - t0
                         if first is not None:
                             first.set()

@@ -85,9 +85,9 @@ def test_config_takes_prefix_routing_on_a_diffusion_model_only_with_its_prefix_c
     assert parse_config({"models": [ar]}).models[0].routing == "prefix"
     assert parse_config({"models": [{**ar, "routing": "p2c"}]}).models[0].routing == "p2c"
     diffusion = {"name": "d", "kind": "diffusion", "source": "x", "routing": "prefix"}
-    for engine_args in ({}, {"sampler": "fast"}, {"sampler": "exact", "prefix_cache": True}):
+    for engine_args in ({}, {"sampler": "fast", "prefix_cache": False}, {"sampler": "exact", "prefix_cache": True}):
         with pytest.raises(ConfigError) as e:
             parse_config({"models": [{**diffusion, "engine_args": engine_args}]})
         assert "models.0" in str(e.value) and "routing" in str(e.value) and "prefix_cache" in str(e.value)
-    cached = {**diffusion, "engine_args": {"sampler": "fast", "prefix_cache": True}}
-    assert parse_config({"models": [cached]}).models[0].routing == "prefix"
+    for engine_args in ({"sampler": "fast"}, {"sampler": "fast", "prefix_cache": True}):
+        assert parse_config({"models": [{**diffusion, "engine_args": engine_args}]}).models[0].routing == "prefix"
