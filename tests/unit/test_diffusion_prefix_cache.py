@@ -191,3 +191,32 @@ def test_the_engine_reports_cached_tokens_and_honours_cache_salt(adapter):
     assert resp[0]["usage"]["input_tokens_details"]["cached_tokens"] >= PAGE_TOKENS
     assert stats.extra["prefix_cache_hits"] >= 2 * PAGE_TOKENS and stats.extra["prefix_cache_queries"] > 0
     assert stats.extra["kv_cached_pages"] > 0
+
+
+def test_a_follow_up_turn_reuses_the_previous_prompt(adapter):
+    """Chat: turn 2 (turn 1's messages, its answer, a new question) finds at least turn 1's whole
+    prompt pages cached. (Turn 1's committed answer is not reused: its K/V were written by commit
+    passes of canvas size, which a prompt's page-aligned pass would not reproduce bit for bit.)"""
+    import asyncio
+
+    from diffusion_plugin.engine import DiffusionEngine
+
+    path = str(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA))
+    system = " ".join(f"rule{i % 89}" for i in range(650))
+    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Hello there"}]
+
+    async def main():
+        engine = DiffusionEngine("m", path, {"sampler": "fast", "num_threads": 1})
+        await engine.start()
+        try:
+            first = [x async for x in engine.chat({"model": "m", "messages": turn1, "max_tokens": 40}, "a")][0]
+            answer = first["choices"][0]["message"]["content"]
+            turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+            second = [x async for x in engine.chat({"model": "m", "messages": turn2, "max_tokens": 8}, "b")][0]
+            return first, second
+        finally:
+            await engine.shutdown()
+
+    first, second = asyncio.run(main())
+    p1 = first["usage"]["prompt_tokens"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= (p1 // PAGE_TOKENS) * PAGE_TOKENS > 0
