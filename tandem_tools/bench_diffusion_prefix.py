@@ -37,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shared-tokens", type=int, default=4000,
                    help="diffusion-prefix: tokens of the system prompt the shared load shares (default: 4000)")
     g.add_argument("--turns", type=int, default=4, help="diffusion-prefix: turns of the conversation (default: 4)")
+    g.add_argument("--threads", type=int, default=1, help="diffusion-prefix: the engine's torch threads (default: 1)")
 
 
 def _rss_bytes() -> int:
@@ -111,20 +112,27 @@ async def _run(engine_args: dict, model_path: str, args) -> dict:
 
     watcher = asyncio.create_task(watch())
     t0 = time.perf_counter()
+
+    def mark(what):
+        print(f"  {time.perf_counter() - t0:7.1f} s  {what}", flush=True)
     try:
         for k in range(2):  # 1. filler
             await one(_words(tok, args.shared_tokens, 1000 + k) + "\nQ: first?\nA:", None)
+            mark(f"filler {k} done")
         shared = _words(tok, args.shared_tokens, 1)  # 2. the shared load
         questions = [f"\nQuestion {i}: what is item {i * 37 % 101}?\nAnswer:" for i in range(args.requests or 16)]
         first = asyncio.Event()
         lead = asyncio.create_task(one(shared + questions[0], "shared", first))
         await first.wait()
+        mark("shared: the first has its first token")
         await asyncio.gather(lead, *(one(shared + q, "shared") for q in questions[1:]))
+        mark("shared: all done")
         history = _words(tok, 1000, 2)  # 3. the conversation
         for turn in range(args.turns):
             prompt = history + f"\nUser: tell me about topic {turn}.\nAssistant:"
             answer = await one(prompt, "conversation")
             history = prompt + answer
+            mark(f"conversation turn {turn} done")
         wall = time.perf_counter() - t0
         stats = (await engine.stats()).extra
     finally:
@@ -149,7 +157,8 @@ def main(args: argparse.Namespace) -> int:
     name = DEFAULT_MODEL if args.model in ("tiny-diffusiongemma", None) else args.model
     path = str(tiny_models.build(name)) if name in tiny_models.BUILDERS else name
     torch.set_num_threads(1)
-    base = {"sampler": "fast", "num_threads": 1, "max_batch": args.max_batch or 16}
+    torch.set_num_threads(args.threads)
+    base = {"sampler": "fast", "num_threads": args.threads, "max_batch": args.max_batch or 16}
     if args.memory_budget_gib:
         base["memory_budget_gib"] = args.memory_budget_gib
     results: dict[str, list[dict]] = {"on": [], "off": []}
