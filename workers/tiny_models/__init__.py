@@ -34,7 +34,8 @@ SHAPE_DIFFUSIONGEMMA = "shape-diffusiongemma"
 # The same on a trunk of 8 layers 1,024 wide, where prompt work matters (the prefix-cache benchmark).
 SHAPE_DIFFUSIONGEMMA_DEEP = "shape-diffusiongemma-deep"
 BUILDERS = {TINY_LLAMA: build_tiny_llama, TINY_DIFFUSIONGEMMA: build_tiny_diffusiongemma,
-            SHAPE_DIFFUSIONGEMMA: build_shape_diffusiongemma, SHAPE_DIFFUSIONGEMMA_DEEP: build_shape_diffusiongemma_deep}
+            SHAPE_DIFFUSIONGEMMA: build_shape_diffusiongemma,
+            SHAPE_DIFFUSIONGEMMA_DEEP: build_shape_diffusiongemma_deep}
 # A model's own recipe version, so that a new or changed model does not rebuild the others.
 # 4, 3: Gemma 4's chat format and markers (special tokens) in the tokenizer; <turn|> is the EOS.
 VERSIONS = {TINY_LLAMA: BUILD_VERSION, TINY_DIFFUSIONGEMMA: 4, SHAPE_DIFFUSIONGEMMA: 3, SHAPE_DIFFUSIONGEMMA_DEEP: 1}
