@@ -45,15 +45,8 @@ _NEG = float("-inf")
 def apply(x: torch.Tensor, p: SamplingParams, produced: int, temperature: float = 1.0) -> None:
     """``x``: one row's (C, V) logits divided by ``temperature``, for a block that starts
     ``produced`` output tokens in."""
-    C, V = x.shape
-    if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=x.device)
-        bias = torch.tensor([b for _, b in p.logit_bias], dtype=x.dtype, device=x.device) / temperature
-        x.index_add_(1, ids, bias.expand(C, -1).contiguous())
-    if p.allowed_token_ids is not None:
-        x.masked_fill_(~_allowed(p.allowed_token_ids, V, x.device), _NEG)
-    if p.min_tokens > produced and p.eos_token_ids:
-        x[:min(C, p.min_tokens - produced)].index_fill_(1, _eos(p, V, x.device), _NEG)
+    V = x.shape[1]
+    prepare(x, p, produced, temperature)  # logit_bias, allowed_token_ids, min_tokens
     if p.min_p > 0:  # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p)
         top = x.max(dim=-1, keepdim=True).values
         x.masked_fill_(x < top + math.log(p.min_p), _NEG)

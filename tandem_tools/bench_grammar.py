@@ -87,17 +87,9 @@ def run_setup(adapter, sampler: str, c: int, grammar, args, vocab: list[str]) ->
         seq = Sequence(seq_id=f"s{i}", prompt_ids=prompt, params=params, grammar=grammar)
         seqs[seq.seq_id] = seq
         sched.add(seq)
-    cpu0, t0, steps, row_steps = time.process_time(), time.perf_counter(), 0, 0
-    while sched.has_work():
-        batch, _ = sched.schedule()
-        if batch.empty():
-            continue
-        sched.update(runner.execute(batch, seqs))
-        if batch.denoise:
-            steps += 1
-            row_steps += len(batch.denoise)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    tokens = sum(len(s.output_ids) for s in seqs.values())
+    from tandem_tools.bench_sampling import drive
+
+    timing = drive(sched, runner, seqs)
     valid = None
     if grammar is not None:
         valid = 0
@@ -108,9 +100,7 @@ def run_setup(adapter, sampler: str, c: int, grammar, args, vocab: list[str]) ->
                 valid += 1
             except (ValueError, jsonschema.ValidationError) as e:
                 print(f"  INVALID ({e}): {text[:200]!r}", flush=True)
-    return {"wall_s": wall, "cpu_s": cpu, "steps": steps, "row_steps": row_steps, "tokens": tokens,
-            "s_per_step": wall / max(steps, 1), "cpu_s_per_row_step": cpu / max(row_steps, 1),
-            "cpu_ms_per_token": 1000 * cpu / max(tokens, 1), "valid": valid}
+    return {**timing, "cpu_ms_per_token": 1000 * timing["cpu_s"] / max(timing["tokens"], 1), "valid": valid}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,10 +49,11 @@ def run_setup(adapter, sampler: str, c: int, fields: dict, args) -> dict:
         seq = Sequence(seq_id=f"s{i}", prompt_ids=prompt, params=params)
         seqs[seq.seq_id] = seq
         sched.add(seq)
-    return _drive(sched, runner, seqs)
+    return drive(sched, runner, seqs)
 
 
-def _drive(sched, runner, seqs) -> dict:
+def drive(sched, runner, seqs) -> dict:
+    """Runs the scheduler's sequences to the end: timings and counts (also ``bench_grammar``'s)."""
     cpu0, t0, steps, row_steps = time.process_time(), time.perf_counter(), 0, 0
     while sched.has_work():
         batch, _ = sched.schedule()
@@ -80,7 +81,7 @@ def run_scoring(adapter, sampler: str, prompt_len: int, scored: bool, args) -> d
     seq = Sequence("s", prompt[:1] if scored else prompt, params, score_ids=prompt[1:] if scored else [], score_k=1)
     sched = Scheduler(max_batch=1, canvas_length=adapter.canvas_length)
     sched.add(seq)
-    r = _drive(sched, Runner(adapter, sampler, chunk_rows=1), {"s": seq})
+    r = drive(sched, Runner(adapter, sampler, chunk_rows=1), {"s": seq})
     r["scored"] = len(seq.scores)
     return r
 
