@@ -155,6 +155,7 @@ class RowGrammar:
                 m.fill_next_token_bitmask(self.masks, j)
                 a = cand_a if self._allows(self._masks[j], cand_a) else self._pick(argmax_in, j, self._masks[j])
             fork_took = False  # whether the fork has already taken this position's token
+            s_mask = self._masks[j]  # the mask the sampled token was picked under
             if fork is None:  # the sampled canvas is still the argmax canvas: same state, same mask
                 s = self.eos if ended_a else (
                     cand_s if self._allows(self._masks[j], cand_s) else self._pick(sample_in, j, self._masks[j]))
@@ -166,11 +167,14 @@ class RowGrammar:
                 s, fork_took = cand_s, True
             else:
                 fork.fill_next_token_bitmask(self._fork_mask, 0)
-                s = self._pick(sample_in, j, self._fork_masks[0])
-            if not ended_a:
+                s_mask = self._fork_masks[0]
+                s = self._pick(sample_in, j, s_mask)
+            # A grammar that allows nothing at a position (a tokenizer that cannot spell what it
+            # needs next) ends the output there: EOS, not fed to the matcher (which would refuse it).
+            if not ended_a and self._allows(self._masks[j], a):
                 self._accept(m, a)
                 self._accepted += 1
-            if fork is not None and not fork_took and not fork.is_terminated():
+            if fork is not None and not fork_took and not fork.is_terminated() and self._allows(s_mask, s):
                 self._accept(fork, s)
             out_a.append(a)
             out_s.append(s)

@@ -117,3 +117,22 @@ def test_structural_tags_with_token_elements_keep_their_own_tokens(adapter, comp
             matcher.fill_next_token_bitmask(mask, 0)
             assert list(allowed_ids(mask.numpy().view(np.uint32)[0], adapter.vocab_size)) == [token]
             assert matcher.accept_token(token)
+
+
+def test_a_grammar_its_tokenizer_cannot_spell_ends_the_output_instead_of_failing_the_batch():
+    """A vocabulary with no token for what the grammar needs next (here: no "b"): the mask allows
+    nothing, the row's canvases end there (EOS), and nothing raises (a raise fails every row of
+    the batch). Seen with bench_grammar's synthetic vocabulary at the tiny model's size."""
+    import xgrammar as xgr
+
+    from diffusion_plugin.grammar import RowGrammar, masked_argmax
+
+    vocab = ["<eos>", "a", "c", "{"]
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[0])
+    compiled = GrammarCompiler(None, len(vocab), (0,), info=info).compile("regex", "ab+")
+    row = RowGrammar(compiled, len(vocab), (0,), 4)
+    logits = torch.zeros(4, len(vocab))
+    argmax, sampled = row.draft([2, 2, 2, 2], [3, 3, 3, 3], lambda j, ids: masked_argmax(logits[j], ids),
+                                lambda j, ids: masked_argmax(logits[j], ids))
+    assert argmax == [1, 0, 0, 0] and sampled == [1, 0, 0, 0]  # "a", then nothing can follow: the end
+    row.settle(committed=True)
