@@ -207,7 +207,8 @@ def run_prefix(adapter, prompts: list[list[int]], cache: bool, args) -> dict:
     total = sum(len(p) for p in prompts)
     return {"cache": cache, "prompt_tokens": total, "prompt_tokens_cached": sum(s.cached_tokens for s in seqs.values()),
             "prompt_tokens_computed": total - sum(s.cached_tokens for s in seqs.values()),
-            "ttft_p50_ms": 1000 * ttft[len(ttft) // 2], "ttft_p90_ms": 1000 * ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
+            "ttft_p50_ms": 1000 * ttft[len(ttft) // 2],
+            "ttft_p90_ms": 1000 * ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
             "tokens_per_s": sum(len(s.output_ids) for s in seqs.values()) / wall, "wall_s": wall,
             "peak_mb": _mem_peak(args.device, base), **stats}
 
