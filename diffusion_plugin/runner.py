@@ -75,7 +75,8 @@ class _Row:
 
 class Runner:
     def __init__(self, adapter, sampler: str = "exact", chunk_rows: int = 1, kv_budget_bytes: int | None = None,
-                 kv_groups: tuple[memory.KVGroup, ...] = (), prefix_cache: bool = False):
+                 kv_groups: tuple[memory.KVGroup, ...] = (), prefix_cache: bool = False,
+                 rowwise: bool = True):
         """Fast mode's KV pool, one ``torch.empty`` per layer: ``kv_groups`` (``memory.plan_pool``,
         the plan the scheduler admits against: a device) gives its pages per layer group.
         Otherwise ``kv_budget_bytes``, the memory budget, sizes it (default: the budget the engine
@@ -97,6 +98,13 @@ class Runner:
         self.cached: dict[str, int] = {}  # this step's admitted sequences: prompt tokens found cached
         self.prefix_queries = self.prefix_hits = 0  # since start (a pool reset keeps them: counters)
         self._views = FastViews()  # fast mode only
+        # Fast mode: every model pass (trunk, commits) row by row, so that every GEMM has one shape
+        # whatever the batch. A BLAS picks its kernel by the GEMM's size: at the released model's
+        # hidden size (2816) a row's linear moved when batched, on this CPU's BLAS too, and a bmm
+        # over 1 expert tile differs from one over 2 (tests/gpu/probe_gemm.py). ``rowwise=False``
+        # (one batched trunk) only for measurements: batch-invariant at the tiny models' sizes.
+        self.rowwise = bool(rowwise)
+        self._row_views: dict[str, FastViews] = {}
         self._scratch = vocab.Scratch()  # fast mode only: two (chunk_rows, C, V) buffers, reused
 
     def admit(self, seq: Sequence) -> None:
@@ -205,7 +213,7 @@ class Runner:
             C = self.adapter.canvas_length
             chunked = [r for r in encoding if r.keys is not None and r.prefill]
             rest = [r for r in encoding if r.keys is None or not r.prefill]
-            groups = ([[r] for r in rest] if self.sampler == "exact" else
+            groups = ([[r] for r in rest] if self.sampler == "exact" or self.rowwise else
                       _by_length([r for r in rest if r.pending.shape[1] == C]) +
                       [[r] for r in rest if r.pending.shape[1] != C])
             for row in chunked:  # the prompt in page-aligned chunks, each whole page kept
@@ -257,7 +265,16 @@ class Runner:
             return torch.cat([self.adapter.decode_hidden(canvas[b:b + 1], r.cache, positions[b:b + 1],
                                                          None if soft is None else soft[b:b + 1])
                               for b, r in enumerate(rows)])
-        view, spec = self._views.get([r.seq.seq_id for r in rows], [r.version for r in rows], [r.cache for r in rows])
+        if self.rowwise:
+            for gone in set(self._row_views) - set(self.rows):
+                del self._row_views[gone]
+            return torch.cat([self._fast_trunk(
+                self._row_views.setdefault(r.seq.seq_id, FastViews()), [r], canvas[b:b + 1], positions[b:b + 1],
+                None if soft is None else soft[b:b + 1]) for b, r in enumerate(rows)])
+        return self._fast_trunk(self._views, rows, canvas, positions, soft)
+
+    def _fast_trunk(self, views: FastViews, rows: list[_Row], canvas, positions, soft) -> torch.Tensor:
+        view, spec = views.get([r.seq.seq_id for r in rows], [r.version for r in rows], [r.cache for r in rows])
         token = FAST.set(spec)
         try:
             with _experts(self.sampler):

@@ -74,7 +74,7 @@ def _params(adapter, max_tokens: int, steps: int, seed: int):
                           **{**adapter.defaults(), "max_denoising_steps": steps})
 
 
-def run_tandem(adapter, sampler: str, prompts: list[list[int]], args, kv_budget: int) -> dict:
+def run_tandem(adapter, sampler: str, prompts: list[list[int]], args, kv_budget: int, rowwise: bool = True) -> dict:
     """All prompts submitted at once, ``max_batch`` = their count: tokens/s, s/step, memory."""
     from diffusion_plugin.request import Sequence
     from diffusion_plugin.runner import Runner
@@ -82,7 +82,7 @@ def run_tandem(adapter, sampler: str, prompts: list[list[int]], args, kv_budget:
 
     c = len(prompts)
     sched = Scheduler(max_batch=c, canvas_length=adapter.canvas_length)
-    runner = Runner(adapter, sampler=sampler, kv_budget_bytes=kv_budget)
+    runner = Runner(adapter, sampler=sampler, kv_budget_bytes=kv_budget, rowwise=rowwise)
     seqs = {}
     for i, p in enumerate(prompts):
         seq = Sequence(seq_id=f"s{i}", prompt_ids=p, params=_params(adapter, args.max_tokens, args.steps, 100 + i))
@@ -142,7 +142,9 @@ def throughput(args, path: str) -> dict:
     targets = {"hf sequential": lambda ps: run_hf(hf, ps, args, eos, False),
                "hf static batch": lambda ps: run_hf(hf, ps, args, eos, True),
                "tandem exact": lambda ps: run_tandem(adapter, "exact", ps, args, kv_budget),
-               "tandem fast": lambda ps: run_tandem(adapter, "fast", ps, args, kv_budget)}
+               "tandem fast": lambda ps: run_tandem(adapter, "fast", ps, args, kv_budget),
+               # one batched trunk: not batch-invariant at real sizes (runner.py); for the ratio
+               "tandem fast batched": lambda ps: run_tandem(adapter, "fast", ps, args, kv_budget, False)}
     for fn in targets.values():  # warm-up: CUDA context, cuBLAS handles, allocator
         fn(prompts[:1])
     runs: dict[str, dict[int, list[dict]]] = {n: {c: [] for c in args.levels} for n in targets}

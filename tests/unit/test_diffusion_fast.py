@@ -27,10 +27,10 @@ def adapter():
 
 
 def _run(adapter, arrivals, sampler="fast", max_batch=4, steps=16, row_boundaries=False, max_tokens=70,
-         on_step=None):
+         on_step=None, rowwise=True):
     params = {**adapter.defaults(), "max_denoising_steps": steps}
     sched = Scheduler(max_batch=max_batch, canvas_length=adapter.canvas_length, row_boundaries=row_boundaries)
-    runner, seqs, calls, widths, step = Runner(adapter, sampler, kv_budget_bytes=64 << 20), {}, [], [], 0
+    runner, seqs, calls, widths, step = Runner(adapter, sampler, kv_budget_bytes=64 << 20, rowwise=rowwise), {}, [], [], 0
     while step <= max(arrivals) or sched.has_work():
         for i in arrivals.get(step, []):
             seq = Sequence(seq_id=f"s{i}", prompt_ids=PROMPTS[i], params=SamplingParams(
@@ -53,13 +53,16 @@ def _run(adapter, arrivals, sampler="fast", max_batch=4, steps=16, row_boundarie
     return {s: q.output_ids for s, q in seqs.items()}, calls, widths
 
 
+@pytest.mark.parametrize("rowwise", [True, False], ids=["rowwise", "batched-trunk"])
 @pytest.mark.parametrize("row_boundaries", [False, True], ids=["block", "row"])
-def test_fast_mode_is_batch_invariant(adapter, row_boundaries):
-    """Default temperatures (sampling matters), prompts of different lengths joining mid-run."""
-    together, _, widths = _run(adapter, ARRIVALS, row_boundaries=row_boundaries)
+def test_fast_mode_is_batch_invariant(adapter, row_boundaries, rowwise):
+    """Default temperatures (sampling matters), prompts of different lengths joining mid-run. The
+    product's row-by-row passes, and the batched trunk (row-invariant at the tiny model's sizes
+    only): both give a row the same tokens alone and batched, so the same tokens as each other."""
+    together, _, widths = _run(adapter, ARRIVALS, row_boundaries=row_boundaries, rowwise=rowwise)
     assert max(widths) == 4
     for i in range(6):
-        alone, _, _ = _run(adapter, {0: [i]}, row_boundaries=row_boundaries)
+        alone, _, _ = _run(adapter, {0: [i]}, row_boundaries=row_boundaries, rowwise=not rowwise)
         assert alone[f"s{i}"] == together[f"s{i}"], f"row {i} depends on its batch mates"
     assert len({tuple(v) for v in together.values()}) == 6  # and the rows differ
 
@@ -74,9 +77,12 @@ def test_fast_mode_is_batch_invariant_over_several_kv_pages(adapter):
 
 
 def test_fast_mode_makes_one_attention_call_per_layer_per_step(adapter):
-    _, calls, widths = _run(adapter, {0: [0, 1, 2, 3]}, steps=4)
+    """The batched trunk: one attention call per layer; row by row (the default): one per row."""
+    _, calls, widths = _run(adapter, {0: [0, 1, 2, 3]}, steps=4, rowwise=False)
     layers = len(adapter.layer_types)
     assert max(widths) == 4 and all(c <= layers for c in calls)
+    _, calls, widths = _run(adapter, {0: [0, 1, 2, 3]}, steps=4)
+    assert calls == [w * layers for w in widths]
     _, calls, widths = _run(adapter, {0: [0, 1, 2, 3]}, sampler="exact", steps=2)
     assert calls == [w * layers for w in widths]  # exact mode: one kernel per row and layer
 
@@ -125,7 +131,7 @@ def test_tiled_experts_are_batch_invariant_and_close_to_hf(hidden, inter, expert
 
 
 def test_fast_step_runs_experts_once_per_expert_not_per_row(adapter):
-    """Expert GEMM calls in a denoise-only step do not grow with the rows (exact mode: per row)."""
+    """The batched trunk: expert GEMM calls in a denoise-only step do not grow with the rows."""
     layers = len(adapter.layer_types)
     experts = adapter.model.config.text_config.num_experts
     counts = {}
@@ -138,8 +144,8 @@ def test_fast_step_runs_experts_once_per_expert_not_per_row(adapter):
         else:
             counts.setdefault(len(batch.denoise), []).append(moe.GEMM_CALLS[0] - count.start)
 
-    _run(adapter, {0: [0, 1, 2, 3]}, steps=4, on_step=count)
-    _run(adapter, {0: [0]}, steps=4, on_step=count)
+    _run(adapter, {0: [0, 1, 2, 3]}, steps=4, on_step=count, rowwise=False)
+    _run(adapter, {0: [0]}, steps=4, on_step=count, rowwise=False)
     assert set(counts) == {1, 4}
     for width, per_step in counts.items():
         assert all(0 < c <= 2 * experts * layers for c in per_step), (width, per_step)
@@ -179,7 +185,7 @@ def test_a_joining_row_copies_no_kv(adapter):
                        for i in range(len(pool.k)))
             seen["checked"] = True
 
-    _run(adapter, {0: [0, 1], 2: [2]}, steps=8, on_step=check)
+    _run(adapter, {0: [0, 1], 2: [2]}, steps=8, on_step=check, rowwise=False)
     assert seen.get("checked")
 
 
