@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from diffusion_plugin import memory
+from diffusion_plugin import gemm, memory
 from diffusion_plugin.attention import FAST
 from diffusion_plugin.batch import RowOutput, StepBatch, StepOutput
 from diffusion_plugin.families import diffusiongemma_moe as moe
@@ -76,7 +76,7 @@ class _Row:
 class Runner:
     def __init__(self, adapter, sampler: str = "exact", chunk_rows: int = 1, kv_budget_bytes: int | None = None,
                  kv_groups: tuple[memory.KVGroup, ...] = (), prefix_cache: bool = False,
-                 rowwise: bool = True):
+                 rowwise: bool = False):
         """Fast mode's KV pool, one ``torch.empty`` per layer: ``kv_groups`` (``memory.plan_pool``,
         the plan the scheduler admits against: a device) gives its pages per layer group.
         Otherwise ``kv_budget_bytes``, the memory budget, sizes it (default: the budget the engine
@@ -98,11 +98,8 @@ class Runner:
         self.cached: dict[str, int] = {}  # this step's admitted sequences: prompt tokens found cached
         self.prefix_queries = self.prefix_hits = 0  # since start (a pool reset keeps them: counters)
         self._views = FastViews()  # fast mode only
-        # Fast mode: every model pass (trunk, commits) row by row, so that every GEMM has one shape
-        # whatever the batch. A BLAS picks its kernel by the GEMM's size: at the released model's
-        # hidden size (2816) a row's linear moved when batched, on this CPU's BLAS too, and a bmm
-        # over 1 expert tile differs from one over 2 (tests/gpu/probe_gemm.py). ``rowwise=False``
-        # (one batched trunk) only for measurements: batch-invariant at the tiny models' sizes.
+        # Fast mode's batched passes (the trunk, commits) use batch-invariant GEMMs (``gemm``).
+        # ``rowwise``: each row through them alone instead (slower; for measurements).
         self.rowwise = bool(rowwise)
         self._row_views: dict[str, FastViews] = {}
         self._scratch = vocab.Scratch()  # fast mode only: two (chunk_rows, C, V) buffers, reused
@@ -224,7 +221,7 @@ class Runner:
                         self._register(row, b // PAGE_TOKENS - 1)
             for group in groups:
                 images = [r.images for r in group]
-                with _experts(self.sampler):
+                with _experts(self.sampler), _rows(self.sampler == "fast" and group[0].pending.shape[1] == C):
                     self.adapter.encode([r.cache for r in group], [r.pending for r in group],
                                         [r.cur_len for r in group],
                                         images if any(i is not None for i in images) else None)
@@ -277,7 +274,7 @@ class Runner:
         view, spec = views.get([r.seq.seq_id for r in rows], [r.version for r in rows], [r.cache for r in rows])
         token = FAST.set(spec)
         try:
-            with _experts(self.sampler):
+            with _experts(self.sampler), _rows(self.sampler == "fast"):
                 return self.adapter.decode_hidden(canvas, view, positions, soft)
         finally:
             FAST.reset(token)
@@ -432,6 +429,16 @@ def _experts(sampler: str):
         yield
     finally:
         moe.FAST_EXPERTS.reset(token)
+
+
+@contextmanager
+def _rows(on: bool):
+    """Fast mode's passes over canvases (the trunk, commits): batch-invariant linears (``gemm``)."""
+    token = gemm.ROWS.set(on)
+    try:
+        yield
+    finally:
+        gemm.ROWS.reset(token)
 
 
 def _free_bytes(device: torch.device) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffusion_plugin import kv_view
+from diffusion_plugin import gemm, kv_view
 from diffusion_plugin.attention import ATTN_NAME, ENCODE, EncodeCacheView, EncodeSpec, register
 from diffusion_plugin.families import diffusiongemma_moe as moe
 from diffusion_plugin.memory import MemoryShape
@@ -73,6 +73,7 @@ class DiffusionGemmaAdapter:
         self.model.set_attn_implementation(ATTN_NAME)
         self.model.model.decoder.self_conditioning.register_forward_pre_hook(_soft_embeddings)
         moe.install(self.model)  # batch-invariant tiled experts in fast mode (HF's in exact mode)
+        gemm.install(self.model, skip=(self.model.get_output_embeddings(),))  # batched linears (fast mode)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         cfg = self.model.config
         self.device = torch.device(device)

@@ -13,8 +13,9 @@ experts run as a grouped GEMM whose every call has the same shape whatever the b
 2. each expert's group is padded to a multiple of ``TILE`` rows in one (tiles x TILE, H) buffer;
 3. per expert hit (the loop HF makes): one ``bmm`` of its tiles by its ``gate_up`` weight, the
    activation, one ``bmm`` by its ``down`` weight: every GEMM in them is (TILE, H) x (H, 2I) or
-   (TILE, I) x (I, H), whatever the batch (a ``bmm`` over n tiles gave the same bits per tile
-   for every n measured here; ``tests/gpu`` checks the same on a GPU);
+   (TILE, I) x (I, H), whatever the batch (a ``bmm`` over n >= 2 tiles gives the same bits per
+   tile for every n, on this CPU and on an H200; n = 1 other bits: a lone tile is padded to two,
+   ``gemm.bmm_blocks``);
 4. each output times its routing weight, gathered back to (token, slot) and summed per token
    over its experts in ascending expert order, the order of HF's ``index_add_`` from zeros.
 Only each expert's own weights are read (broadcast over its tiles: a view, never copied;
@@ -30,6 +31,8 @@ from __future__ import annotations
 from contextvars import ContextVar
 
 import torch
+
+from diffusion_plugin.gemm import bmm_blocks
 
 FAST_EXPERTS: ContextVar[bool] = ContextVar("tandem_fast_experts", default=False)
 TILE = 32  # rows of every expert GEMM
@@ -80,8 +83,8 @@ def tiled_experts(gate_up: torch.Tensor, down: torch.Tensor, act, hidden: torch.
         n, s = n_tiles[e], first[e]
         # (n, tile, H) x (H, 2I) as n fixed-shape GEMMs: the weight is broadcast (a view, no copy).
         xs = x[s:s + n * tile].view(n, tile, H)
-        gate, up = torch.bmm(xs, gate_up[e].t().expand(n, -1, -1)).chunk(2, dim=-1)
-        out[s:s + n * tile] = torch.bmm(act(gate) * up, down[e].t().expand(n, -1, -1)).view(n * tile, H)
+        gate, up = bmm_blocks(xs, gate_up[e].t()).chunk(2, dim=-1)
+        out[s:s + n * tile] = bmm_blocks(act(gate) * up, down[e].t()).view(n * tile, H)
         GEMM_CALLS[0] += 2
     del x
     # Back to (token, slot), weighted, then summed per token in ascending expert order.

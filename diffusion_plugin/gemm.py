@@ -1,0 +1,41 @@
+"""Fast mode's batch-invariant GEMMs: a row's result has the same bits whatever its batch mates.
+
+A BLAS picks a GEMM's kernel by its size, so a row's linear over (B*C, H) moves with B: on this
+CPU at hidden 2816, on an H200 (cuBLAS) at hidden 1024 and 2816 (``tests/gpu/probe_gemm.py``).
+A batched GEMM (``bmm``) over n equal blocks gave every block the same bits for every n >= 2
+(2..100, on both), and other bits at n = 1. So in fast mode's batched passes (``ROWS`` set: the
+decoder over canvases, batched commits) every linear over (B, C, H) rows is one ``bmm`` over its
+B rows (the weight broadcast, never copied), a lone row padded to two; the tiled experts do the
+same over their tiles (``diffusiongemma_moe``). Prompt passes run alone and are left as they are.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+
+import torch
+
+ROWS: ContextVar[bool] = ContextVar("tandem_row_gemms", default=False)
+
+
+def bmm_blocks(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """(n, m, k) x (k, o) -> (n, m, o) as one bmm over max(n, 2) blocks (a lone block padded)."""
+    n = x.shape[0]
+    if n == 1:
+        x = x.expand(2, -1, -1)
+    return torch.bmm(x, weight_t.expand(x.shape[0], -1, -1))[:n]
+
+
+def install(model, skip: tuple = ()) -> None:
+    """Route every ``nn.Linear`` of ``model`` (but ``skip``) through ``_linear`` while ``ROWS`` is set."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and not any(module is s for s in skip):
+            hf_forward = module.forward
+            module.forward = lambda x, _m=module, _hf=hf_forward: _linear(_m, _hf, x)
+
+
+def _linear(module, hf_forward, x: torch.Tensor) -> torch.Tensor:
+    if not ROWS.get() or x.dim() != 3:
+        return hf_forward(x)
+    y = bmm_blocks(x, module.weight.t())
+    return y if module.bias is None else y + module.bias
