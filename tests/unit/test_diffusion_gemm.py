@@ -1,0 +1,50 @@
+"""Fast mode's batch-invariant GEMMs (``diffusion_plugin.gemm``) at the released model's sizes.
+
+A row's linear batched with others must give the bits it gives alone: plain ``F.linear`` over
+(B*256, H) did not at hidden 2816 on this CPU's BLAS nor on an H200 (``tests/gpu/probe_gemm.py``);
+one ``bmm`` over the rows (a lone row padded to two) does, and an installed model's linears take
+that form only inside a fast-mode pass over canvases (``ROWS``)."""
+
+import torch
+
+from diffusion_plugin import gemm
+
+C = 256
+
+
+def _rows(n: int, hidden: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, C, hidden, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_rows_linear_has_the_same_bits_alone_and_batched_at_real_size():
+    hidden, out = 2816, 1408
+    torch.set_num_threads(1)
+    w = torch.randn(out, hidden, generator=torch.Generator().manual_seed(1)) / hidden ** 0.5
+    row = _rows(1, hidden, 2)
+    alone = gemm.bmm_blocks(row, w.t())[0]
+    assert torch.allclose(alone, torch.nn.functional.linear(row[0], w), rtol=1e-4, atol=1e-4)
+    for mates in (1, 2, 4):
+        batch = torch.cat([_rows(mates, hidden, 3 + mates), row, _rows(1, hidden, 9)])
+        assert torch.equal(gemm.bmm_blocks(batch, w.t())[mates], alone), f"{mates} mates before it"
+
+
+def test_installed_linears_take_the_row_form_only_inside_rows():
+    lin = torch.nn.Linear(64, 32, bias=True)
+    model = torch.nn.Sequential(lin)
+    x = torch.randn(3, C, 64)
+    want = lin(x)
+    calls = []
+    real = gemm.bmm_blocks
+    gemm.bmm_blocks = lambda *a: calls.append(1) or real(*a)
+    try:
+        gemm.install(model)
+        assert torch.equal(lin(x), want) and not calls  # outside ROWS: HF's own forward
+        token = gemm.ROWS.set(True)
+        try:
+            got = lin(x)
+            assert calls and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+            assert torch.equal(lin(x[1:2]), got[1:2])  # and a lone row has its batched bits
+        finally:
+            gemm.ROWS.reset(token)
+    finally:
+        gemm.bmm_blocks = real
