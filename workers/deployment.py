@@ -75,7 +75,7 @@ class RayDeployment:
                 os.environ.setdefault("RAY_worker_niceness", "0")
                 # address="local": always a Ray of its own, never one another program started on this host
                 # (joining one fails: "num_cpus must not be provided"); ray.address joins a cluster.
-                ray.init(address="local", num_cpus=cpus, include_dashboard=False, namespace="tandem")
+                _start_local_ray(cpus)
 
     @property
     def owns_replicas(self) -> bool:
@@ -285,3 +285,19 @@ class AttachedReplicaHandle(RayReplicaHandle):
     async def shutdown(self) -> None:
         """Only this process's channel: the replica is the owner's."""
         self.fail_in_flight(TandemError(ErrorKind.SHUTTING_DOWN, "the gateway is shutting down"))
+
+
+def _start_local_ray(cpus: int) -> None:
+    """A local Ray, tried twice: Ray waits a fixed 30 s for its raylet to register with the GCS,
+    which a loaded 2-core host can miss (seen once in CI, right after another stack's teardown)."""
+    import ray
+
+    for attempt in (1, 2):
+        try:
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, namespace="tandem")
+            return
+        except Exception as e:  # Ray raises a bare Exception for this
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            logger.warning("the local Ray did not start (%s); starting it once more", e)
+            ray.shutdown()
