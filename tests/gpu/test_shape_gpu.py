@@ -141,3 +141,45 @@ def test_tiled_experts_are_batch_invariant_on_gpu(hidden, inter, experts, top_k)
                 out = tiled_experts(*args, *(torch.cat(parts) for parts in zip(*rows, strict=True)))
                 first = rows[0][0].shape[0]
                 assert torch.equal(out[first:first + 256], alone), f"seed {seed}, mates {mates}"
+
+
+def test_prefix_cache_hits_equal_their_misses_on_gpu(adapter):
+    """Fast mode with the prefix cache: rows sharing 1-2 pages of a prompt, joining while others
+    run, give exactly the tokens each gives alone on an empty cache (a hit never changes a response)."""
+    import random
+
+    from diffusion_plugin.memory import PAGE_TOKENS
+
+    rng, vocab = random.Random(3), adapter.vocab_size
+    ids = lambda n: [rng.randrange(vocab // 8, vocab - vocab // 8) for _ in range(n)]  # noqa: E731
+    system = ids(2 * PAGE_TOKENS + 40)
+    prompts = [system[:PAGE_TOKENS + rng.randint(1, PAGE_TOKENS + 40)] + ids(rng.randint(1, 20)) for _ in range(4)]
+    arrivals = {0: [0], 1: [1], 3: [2, 3]}
+
+    def run(which: dict) -> tuple[dict, dict]:
+        params = {**adapter.defaults(), "max_denoising_steps": STEPS}
+        sched = Scheduler(max_batch=4, canvas_length=adapter.canvas_length)
+        runner = Runner(adapter, sampler="fast", kv_budget_bytes=KV_BUDGET, prefix_cache=True)
+        seqs, step = {}, 0
+        while step <= max(which) or sched.has_work():
+            for i in which.get(step, []):
+                seq = Sequence(seq_id=f"s{i}", prompt_ids=prompts[i], params=SamplingParams(
+                    max_tokens=64, seed=50 + i, eos_token_ids=(), **params))
+                seqs[seq.seq_id] = seq
+                sched.add(seq)
+            batch, _ = sched.schedule()
+            if not batch.empty():
+                sched.update(runner.execute(batch, seqs))
+            else:
+                for seq_id in batch.free:
+                    runner.free(seq_id)
+            step += 1
+        return ({int(k[1:]): s.output_ids for k, s in seqs.items()},
+                {int(k[1:]): s.cached_tokens for k, s in seqs.items()})
+
+    together, cached = run(arrivals)
+    assert sum(c > 0 for c in cached.values()) >= 2, f"some rows must hit: {cached}"
+    for i in range(len(prompts)):
+        alone, none = run({0: [i]})
+        assert none[i] == 0
+        assert alone[i] == together[i], f"row {i} (cached {cached[i]} tokens) differs from its miss"
