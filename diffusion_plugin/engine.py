@@ -323,6 +323,11 @@ class DiffusionEngine:
             **self.intake.image_stats, **self._prefix_stats()},
             progress=st.row_steps + st.encode_passes)
 
+    async def reset_prefix_cache(self) -> bool:
+        if self.loop is None:
+            return True
+        return await self.loop.reset_prefix_cache()
+
     def _prefix_stats(self) -> dict:
         runner = self.loop.runner
         return runner.prefix_stats() if getattr(runner, "prefix_cache", False) else {}

@@ -55,6 +55,7 @@ class DiffusionLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.dead: BaseException | None = None
+        self._resets: list[asyncio.Future] = []  # prefix-cache resets, done between steps
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="diffusion-loop")
@@ -78,6 +79,23 @@ class DiffusionLoop:
         self._wake.set()
         return queue
 
+    async def reset_prefix_cache(self) -> bool:
+        """The runner's prefix cache reset between two steps (the loop owns the runner's pool)."""
+        if self.dead is not None:
+            raise RuntimeError(f"the diffusion loop died: {self.dead!r}")
+        done = asyncio.get_running_loop().create_future()
+        self._resets.append(done)
+        self._wake.set()
+        return await done
+
+    def _reset_prefix_cache(self) -> None:
+        resets, self._resets = self._resets, []
+        reset = getattr(self.runner, "reset_prefix_cache", None)
+        ok = reset() if reset is not None else True
+        for done in resets:
+            if not done.done():
+                done.set_result(ok)
+
     def abort(self, seq_id: str, status: SeqStatus = SeqStatus.FINISHED_ABORTED) -> None:
         if seq_id in self.seqs:
             self.scheduler.abort(seq_id, status)
@@ -94,9 +112,11 @@ class DiffusionLoop:
     async def _run(self) -> None:
         try:
             while True:
-                if not self.scheduler.has_work():
+                if not self.scheduler.has_work() and not self._resets:
                     self._wake.clear()
                     await self._wake.wait()
+                if self._resets:
+                    self._reset_prefix_cache()
                 # 1. schedule (aborts drained first)
                 batch, finished = self.scheduler.schedule()
                 for f in finished:
@@ -142,6 +162,9 @@ class DiffusionLoop:
         except BaseException as e:  # noqa: BLE001 - this is a bug; end every waiter, never hang
             logger.exception("bug: the diffusion loop crashed")
             self.dead = e
+            for done in self._resets:
+                if not done.done():
+                    done.set_exception(RuntimeError(f"the diffusion loop crashed: {e!r}"))
             for seq in list(self.seqs.values()):
                 seq.status, seq.error = SeqStatus.FINISHED_ERROR, f"the diffusion loop crashed: {e!r}"
                 self._emit(SeqEvent(EventKind.FINISHED, seq))

@@ -179,6 +179,14 @@ class Runner:
                 "kv_cached_pages": pool.cache.cached_pages() if pool is not None else 0,
                 "prefix_cache_evictions": pool.cache.evictions if pool is not None else 0}
 
+    def reset_prefix_cache(self) -> bool:
+        """Every cached page no sequence holds, freed; False while running sequences still hold
+        cached pages (those stay findable until they finish: vLLM's answer, retry later)."""
+        if self.pool is None:
+            return True
+        self.pool.reset_cache()
+        return self.pool.cache.cached_pages() == 0 and not any(self.pool.cache.key_of)
+
     def held_bytes(self) -> int:
         """Bytes held by sequences between steps beyond their KV caches (for measurements)."""
         total = 0

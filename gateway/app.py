@@ -302,6 +302,13 @@ def build_app(service: Service) -> FastAPI:
         replicas desired (autoscaling) vs running, pending and draining."""
         return {"replicas": await views.replica_stats(service.router), "models": views.scaling(service.router)}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(model: str | None = None) -> dict:
+        """vLLM's route (its dev mode): each live replica (of ``model``, else of every model) drops
+        the cached prompt pages no request holds. ``{"success": false}`` while running requests
+        still hold cached pages, as vLLM answers: retry."""
+        return await views.reset_prefix_cache(service.router, model)
+
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "uptime_s": round(time.monotonic() - service.started_at, 1)}

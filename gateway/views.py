@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from gateway.replicas import Replica, ReplicaState
 from gateway.router import ModelPool, Router
+
+logger = logging.getLogger(__name__)
 
 _COMING_UP = frozenset({ReplicaState.STARTING, ReplicaState.PENDING})
 
@@ -57,6 +60,24 @@ async def replica_stats(router: Router) -> list[dict]:
         return row
 
     return list(await asyncio.gather(*(one(r) for r in router.all_replicas())))
+
+
+async def reset_prefix_cache(router: Router, model: str | None) -> dict:
+    """vLLM's ``/reset_prefix_cache`` over every live replica of ``model`` (all models if None):
+    success only if each one dropped every cached page (False while running requests hold some,
+    or a replica did not answer: retry)."""
+    pools = [router.pool(model)] if model else list(router.pools.values())
+    live = [r for pool in pools for r in pool.replicas if r.state.live]
+
+    async def one(r: Replica) -> bool:
+        try:
+            return bool(await asyncio.wait_for(r.handle.reset_prefix_cache(), timeout=30))
+        except Exception as e:  # noqa: BLE001 - reported as a failed reset
+            logger.warning("replica %s: prefix cache reset failed: %s: %s", r.id, type(e).__name__, e)
+            return False
+
+    done = await asyncio.gather(*(one(r) for r in live))
+    return {"success": all(done), "replicas": len(live)}
 
 
 def readiness(router: Router) -> dict:

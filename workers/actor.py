@@ -186,6 +186,9 @@ class EngineActor:
                            extra={**s.extra, "actor_in_flight": sum(per_channel.values()),
                                   "channel_in_flight": per_channel})
 
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine.reset_prefix_cache()
+
     async def shutdown(self) -> None:
         if self._socket_server is not None:
             self._socket_server.close()

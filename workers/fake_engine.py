@@ -195,6 +195,10 @@ class FakeEngine:
     async def stats(self) -> EngineStats:
         return EngineStats(running=len(self.running), progress=self.progress)
 
+    async def reset_prefix_cache(self) -> bool:
+        self.prefix_resets = getattr(self, "prefix_resets", 0) + 1
+        return True
+
     async def shutdown(self) -> None:
         self.running.clear()
 

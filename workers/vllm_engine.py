@@ -314,6 +314,11 @@ class VllmEngine:
             raise RuntimeError("engine not started")
         await self._llm.check_health()
 
+    async def reset_prefix_cache(self) -> bool:
+        if self._llm is None:
+            return True
+        return bool(await self._llm.reset_prefix_cache())
+
     async def stats(self) -> EngineStats:
         if self._llm is None:
             return EngineStats(running=0)

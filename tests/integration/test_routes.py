@@ -146,6 +146,28 @@ def test_version(stack):
     assert r.status_code == 200 and r.json()["version"][0].isdigit()
 
 
+def test_reset_prefix_cache_resets_vllms_and_the_batchers_caches(stack):
+    """vLLM's POST /reset_prefix_cache (a `vllm serve` dev-mode route): through AsyncLLM on
+    tiny-llama and through the diffusion loop; ``{"success": true}`` once no request holds cached
+    blocks (vLLM answers false meanwhile: waited for, never assumed)."""
+    from tests.waiting import wait_for
+
+    _post(stack, "/v1/completions", {"model": MODEL, "prompt": "the river " * 20, "max_tokens": 2})
+    answers = []
+
+    def reset(params: dict) -> bool:
+        r = httpx.post(stack.url + "/reset_prefix_cache", params=params, timeout=60)
+        assert r.status_code == 200, r.text
+        answers.append(r.json())
+        return answers[-1]["success"] is True
+
+    wait_for(lambda: reset({}), "every replica's prefix cache reset", timeout=60, interval=0.5)
+    wait_for(lambda: reset({"model": MODEL}), "tiny-llama's prefix cache reset", timeout=60, interval=0.5)
+    assert answers[-1]["replicas"] >= 1
+    r = httpx.post(stack.url + "/reset_prefix_cache", params={"model": "missing"}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
 # -- a route the model does not serve ---------------------------------------------------------------
 
 

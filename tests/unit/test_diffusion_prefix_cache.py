@@ -176,11 +176,17 @@ def test_the_engine_reports_cached_tokens_and_honours_cache_salt(adapter):
             resp = await one("responses", {"model": "m", "instructions": text, "input": "Yo", "max_output_tokens": 8},
                              "f")
             stats = await engine.stats()
-            return started, first[0], second[0], salted[0], chat2[0], resp, stats
+            reset = await engine.reset_prefix_cache()  # vLLM's /reset_prefix_cache: nothing cached after
+            after = await engine.stats()
+            third = await one("completions", body, "g")
+            return started, first[0], second[0], salted[0], chat2[0], resp, stats, (reset, after, third[0])
         finally:
             await engine.shutdown()
 
-    info, first, second, salted, chat2, resp, stats = asyncio.run(main())
+    info, first, second, salted, chat2, resp, stats, (reset, after, third) = asyncio.run(main())
+    assert reset is True and after.extra["kv_cached_pages"] == 0
+    assert third["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # computed again
+    assert third["choices"][0]["text"] == first["choices"][0]["text"]
     assert info.extra["kv_cache_tokens"] > 0
     assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -220,3 +226,21 @@ def test_a_follow_up_turn_reuses_the_previous_prompt(adapter):
     first, second = asyncio.run(main())
     p1 = first["usage"]["prompt_tokens"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= (p1 // PAGE_TOKENS) * PAGE_TOKENS > 0
+
+
+def test_a_reset_frees_what_nobody_holds_and_says_false_while_rows_hold_cached_pages(adapter):
+    sched, runner = _fresh(adapter)
+    seqs = {}
+    _drive(sched, runner, seqs, {0: [_seq(adapter, "warm", SYSTEM + [1, 2], 9)]})
+    assert runner.pool.cache.cached_pages() > 0
+    held = _seq(adapter, "held", SYSTEM + [3], 4)  # admitted (its prompt adopts the cached pages), not finished
+    seqs["held"] = held
+    sched.add(held)
+    batch, _ = sched.schedule()
+    sched.update(runner.execute(batch, seqs))
+    assert held.cached_tokens > 0 and not held.output_ids
+    assert runner.reset_prefix_cache() is False  # as vLLM: running requests still hold cached pages
+    _drive(sched, runner, seqs, {})
+    assert held.output_ids
+    assert runner.reset_prefix_cache() is True
+    assert runner.pool.cache.cached_pages() == 0

@@ -283,3 +283,20 @@ def test_prefix_routing_through_the_gateway_sends_each_tenant_back_to_its_replic
         again = {t: replica(t, f"question {q} for {t}") for q in range(3) for t in range(8)}
         assert again == first
         assert len(set(first.values())) == 2, first
+
+
+def test_reset_prefix_cache_reaches_every_live_replica_of_the_model_or_of_all(gw):
+    """vLLM's POST /reset_prefix_cache (its dev mode's route): {"success": ...}; ``model`` narrows
+    it to one model's replicas; an unknown model is a 404 in the envelope."""
+    url, service, dep = gw
+    before = {rid: getattr(e, "prefix_resets", 0) for rid, e in dep.engines.items()}
+    r = httpx.post(url + "/reset_prefix_cache")
+    assert r.status_code == 200 and r.json() == {"success": True, "replicas": 4}
+    assert all(getattr(e, "prefix_resets", 0) == before[rid] + 1 for rid, e in dep.engines.items())
+    r = httpx.post(url + "/reset_prefix_cache", params={"model": "other"})
+    assert r.json() == {"success": True, "replicas": 2}
+    fake = {r.id for r in service.router.pool("fake").replicas}
+    assert all(getattr(e, "prefix_resets", 0) == before[rid] + (1 if rid in fake else 2)
+               for rid, e in dep.engines.items())
+    r = httpx.post(url + "/reset_prefix_cache", params={"model": "missing"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"

@@ -214,6 +214,9 @@ class ChannelReplicaHandle:
     async def stats(self) -> EngineStats:
         return await self.call("stats")
 
+    async def reset_prefix_cache(self) -> bool:
+        return await self.call("reset_prefix_cache")
+
     async def shutdown(self) -> None:
         self._stop_reading()
         await self.call("shutdown")
