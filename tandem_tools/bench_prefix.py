@@ -12,6 +12,12 @@ and after the load), the prompt tokens the engines computed (queries - hits: the
 a figure this noisy shared box reproduces where wall-clock does not), TTFT p50/p99, and requests
 per replica (the largest share, next to the load bound).
 
+``--kind diffusion``: the same load on two ``tiny-diffusiongemma`` replicas (fast sampler, its
+prefix cache on; 4 denoising steps a block) under ``p2c`` and ``prefix`` (diffusion models have no
+session affinity); the counters are the diffusion engine's own, under the same names. Its page
+pool holds every tenant's prompt here (no ``--kv-tokens`` for it): what routing changes is how
+many replicas compute each tenant's prompt once.
+
 Each replica's KV cache is made small on purpose (``--kv-tokens``, via vLLM's
 ``num_gpu_blocks_override``): with a cache that holds every tenant's prompt, any routing hits
 after each replica has seen each tenant once; the routing matters when the tenants' prompts do
@@ -42,6 +48,7 @@ from workers import tiny_models
 
 logger = logging.getLogger("tandem.bench")
 MODEL = "tiny-llama"
+DIFFUSION_MODEL = "tiny-diffusiongemma"
 ROUTINGS = ("p2c", "affinity", "prefix")
 CHARS_PER_TOKEN = 3.86  # tiny-llama's tokenizer on the corpus
 BLOCK_SIZE = 32  # vLLM's KV block on CPU (a multiple of 32)
@@ -63,8 +70,11 @@ def add_arguments(p: argparse.ArgumentParser, standalone: bool = False) -> None:
     g.add_argument("--answer-tokens", type=int, default=8, help="prefix mode: max_tokens per request (default: 8)")
     g.add_argument("--kv-tokens", type=int, default=16384, help="prefix mode: each replica's KV cache in tokens "
                    "(default: 16384: ~10 tenants' prompts)")
-    g.add_argument("--routings", default=",".join(ROUTINGS), help=f"prefix mode: setups, in order (default: "
-                   f"{','.join(ROUTINGS)})")
+    g.add_argument("--routings", default=None, help=f"prefix mode: setups, in order (default: "
+                   f"{','.join(ROUTINGS)}; diffusion: p2c,prefix)")
+    g.add_argument("--kind", choices=("autoregressive", "diffusion"), default="autoregressive",
+                   help=f"prefix mode: the model, {MODEL} (vLLM) or {DIFFUSION_MODEL} (the diffusion batcher, fast "
+                   "sampler) (default: autoregressive)")
     if standalone:
         p.add_argument("--port", type=int, default=8123, help="port for tandem (default: 8123)")
         p.add_argument("--out", help="also write the results as JSON to this file")
@@ -90,8 +100,10 @@ def system_prompt(tenant: int, tokens: int) -> str:
     return text[:int(tokens * CHARS_PER_TOKEN)]
 
 
-def workload(tenants: int, per_tenant: int, system_tokens: int, answer_tokens: int, seed: int = 0) -> list[Request]:
+def workload(tenants: int, per_tenant: int, system_tokens: int, answer_tokens: int, seed: int = 0,
+             kind: str = "autoregressive") -> list[Request]:
     """Round r: every tenant once, in a shuffled order; each question differs."""
+    model, extra = (DIFFUSION_MODEL, {"diffusion": {"max_denoising_steps": 4}}) if kind == "diffusion" else (MODEL, {})
     rng = random.Random(seed)
     systems = [system_prompt(t, system_tokens) for t in range(tenants)]
     questions = prompts(tenants * per_tenant, seed=seed + 7)
@@ -101,7 +113,7 @@ def workload(tenants: int, per_tenant: int, system_tokens: int, answer_tokens: i
         rng.shuffle(order)
         for t in order:
             q = questions[r * tenants + t][:120]
-            out.append(Request(t, {"model": MODEL, "stream": True, "max_tokens": answer_tokens,
+            out.append(Request(t, {"model": model, "stream": True, "max_tokens": answer_tokens, **extra,
                                    "messages": [{"role": "system", "content": systems[t]},
                                                 {"role": "user", "content": f"Question {r}: {q}"}]}))
     return out
@@ -154,7 +166,13 @@ async def send(base_url: str, requests: list[Request], streams: int, timeout_s: 
 
 
 # -- one setup ------------------------------------------------------------------------------
-def tandem_config(routing: str, port: int, model_path: str, kv_tokens: int) -> dict:
+def tandem_config(routing: str, port: int, model_path: str, kv_tokens: int, kind: str = "autoregressive") -> dict:
+    if kind == "diffusion":
+        model = {"name": DIFFUSION_MODEL, "kind": "diffusion", "source": model_path, "replicas": 2,
+                 "resources": {"num_gpus": 0, "num_cpus": 1}, "routing": routing,
+                 "engine_args": {"sampler": "fast", "max_batch": 4, "prefix_cache": True}}
+        return {"gateway": {"host": "127.0.0.1", "port": port, "health_interval_s": 5, "health_timeout_s": 30},
+                "ray": {"num_cpus": 2}, "models": [model]}
     model = {
         "name": MODEL, "kind": "autoregressive", "source": model_path, "replicas": 2,
         "resources": {"num_gpus": 0, "num_cpus": 1},
@@ -216,7 +234,7 @@ class SetupResult:
 
 def run_setup(routing: str, args, model_path: str, workdir: Path, load: list[Request]) -> SetupResult:
     cfg = workdir / f"tandem-{routing}.yaml"
-    cfg.write_text(yaml.safe_dump(tandem_config(routing, args.port, model_path, args.kv_tokens)))
+    cfg.write_text(yaml.safe_dump(tandem_config(routing, args.port, model_path, args.kv_tokens, args.kind)))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     server = Server(f"tandem ({routing})", [sys.executable, "-m", "tandem_tools.cli", "--log-level", "warning",
                                             "serve", "--config", str(cfg)],
@@ -241,7 +259,7 @@ def run_setup(routing: str, args, model_path: str, workdir: Path, load: list[Req
 def format_table(summaries: list[dict]) -> str:
     names = [s["routing"] for s in summaries]
     rows = [
-        ("prefix-cache hit rate (vLLM, all replicas)", lambda s: f"{s['hit_rate']:.1%}"),
+        ("prefix-cache hit rate (engines, all replicas)", lambda s: f"{s['hit_rate']:.1%}"),
         ("hit rate per replica", lambda s: " / ".join(f"{v:.1%}" for v in s["hit_rate_per_replica"].values())),
         ("prompt tokens computed per request", lambda s: f"{s['computed_prompt_tokens_per_request']:.0f}"),
         ("TTFT p50 ms", lambda s: f"{s['ttft_p50_ms']:.0f}"),
@@ -249,7 +267,7 @@ def format_table(summaries: list[dict]) -> str:
         ("requests per replica", lambda s: " / ".join(str(v) for v in s["requests_per_replica"].values())),
         ("max share of requests", lambda s: f"{s['max_share']:.1%}"),
         ("tenants per replica", lambda s: " / ".join(str(v) for v in s["tenants_per_replica"].values())),
-        ("KV cache tokens per replica (vLLM)", lambda s: " / ".join(str(v) for v in s["kv_cache_tokens"].values())),
+        ("KV cache tokens per replica (engines)", lambda s: " / ".join(str(v) for v in s["kv_cache_tokens"].values())),
         ("wall s", lambda s: f"{s['wall_s']:.0f}"),
         ("CPU s per request (all processes)", lambda s: f"{s['cpu_s_per_request']:.2f}"),
         ("failed", lambda s: str(s["failed"])),
@@ -260,14 +278,17 @@ def format_table(summaries: list[dict]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    routings = [r.strip() for r in args.routings.split(",") if r.strip()]
-    unknown = sorted(set(routings) - set(ROUTINGS))
+    diffusion = args.kind == "diffusion"
+    known = ("p2c", "prefix") if diffusion else ROUTINGS
+    routings = [r.strip() for r in (args.routings or ",".join(known)).split(",") if r.strip()]
+    unknown = sorted(set(routings) - set(known))
     if unknown:
-        print(f"tandem bench: unknown routing(s) {', '.join(unknown)}; known: {', '.join(ROUTINGS)}", file=sys.stderr)
+        print(f"tandem bench: routing(s) {', '.join(unknown)} not for a {args.kind} model; known: {', '.join(known)}",
+              file=sys.stderr)
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
-    model_path = str(tiny_models.build(tiny_models.TINY_LLAMA))
-    load = workload(args.tenants, args.per_tenant, args.system_tokens, args.answer_tokens)
+    model_path = str(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA if diffusion else tiny_models.TINY_LLAMA))
+    load = workload(args.tenants, args.per_tenant, args.system_tokens, args.answer_tokens, kind=args.kind)
     t0 = time.monotonic()
     summaries = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-prefix-") as tmp:
@@ -278,7 +299,8 @@ def main(args: argparse.Namespace) -> int:
                         100 * s["hit_rate"], s["ttft_p50_ms"], s["requests_per_replica"], s["failed"])
             summaries.append(s)
     table = format_table(summaries)
-    print(f"\nprefix routing ({MODEL}, 2 replicas, {args.tenants} tenants x {args.per_tenant} requests, "
+    name = DIFFUSION_MODEL if diffusion else MODEL
+    print(f"\nprefix routing ({name}, 2 replicas, {args.tenants} tenants x {args.per_tenant} requests, "
           f"~{args.system_tokens}-token system prompts, {args.streams} streams, {args.answer_tokens} output tokens, "
           f"KV cache {args.kv_tokens} tokens per replica, load bound {LOAD_FACTOR} x average), "
           f"{time.monotonic() - t0:.0f} s\n")
