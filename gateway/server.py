@@ -35,4 +35,11 @@ def run_server(app, service: Service, log_level: str = "info", access_log: bool 
     gw = service.config.gateway
     config = uvicorn.Config(app, host=gw.host, port=gw.port, log_level=log_level.lower(), access_log=access_log,
                             timeout_graceful_shutdown=5)
-    DrainingServer(config).run(sockets=sockets)
+    server = DrainingServer(config)
+
+    def fatal(line: str) -> None:  # a replica's configuration cannot work: stop (the caller exits 2)
+        service.fatal = service.fatal or line
+        server.should_exit = True
+
+    service.supervisor.on_fatal = fatal
+    server.run(sockets=sockets)

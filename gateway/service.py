@@ -39,6 +39,7 @@ class Service:
                       routing=m.routing)
             for m in config.models])
         self.draining = False
+        self.fatal: str | None = None  # why the service stopped at start (a replica's configuration)
         self.started_at = time.monotonic()
         self.metrics = Metrics([m.name for m in config.models])
         self.supervisor = Supervisor(config, deployment, self.router, self.metrics, attached=attached)

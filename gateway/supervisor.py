@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Protocol
 
@@ -42,7 +43,7 @@ from gateway.metrics import Metrics
 from gateway.replicas import Replica, ReplicaState
 from gateway.router import Router
 from tandem_core.config import ModelConfig, TandemConfig
-from tandem_core.errors import ErrorKind, TandemError
+from tandem_core.errors import ErrorKind, TandemError, engine_config_line
 from tandem_core.protocol import ReplicaHandle
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,10 @@ class Supervisor:
         self._bringing_up: dict[str, asyncio.Task] = {}  # replica id -> its start or restart task
         self.scalers: dict[str, Autoscaler] = {}
         self._next_index: dict[str, int] = {}
+        # Called with one line when a replica's first start fails for its configuration before
+        # every model has served (``tandem serve`` then exits 2); ``_served``: they have.
+        self.on_fatal: Callable[[str], None] | None = None
+        self._served = False
 
     def start(self) -> None:
         """Create every replica and start them in the background (the router serves each one
@@ -196,9 +201,13 @@ class Supervisor:
             raise
         except Exception as e:  # noqa: BLE001 - reported in /ready and the log
             replica.state = ReplicaState.FAILED
-            replica.last_error = f"{type(e).__name__}: {e}"
+            config_line = engine_config_line(e)
+            replica.last_error = config_line or f"{type(e).__name__}: {e}"
             logger.error("replica %s: failed to start: %s", replica.id, replica.last_error)
+            if config_line and not self._served and self.on_fatal is not None:
+                self.on_fatal(config_line)  # its configuration cannot work: `tandem serve` exits, as vLLM's would
             return
+        self._served = self._served or self.router.ready()
         if self.router.ready():
             logger.info("all models ready: %s", ", ".join(self.router.pools))
 
@@ -236,7 +245,8 @@ class Supervisor:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - e.g. the engine failed to start; try again
-                replica.state, replica.last_error = ReplicaState.RESTARTING, f"restart: {type(e).__name__}: {e}"
+                reason = engine_config_line(e) or f"{type(e).__name__}: {e}"
+                replica.state, replica.last_error = ReplicaState.RESTARTING, f"restart: {reason}"
                 logger.error("replica %s: %s; next try in %.0f s", replica.id, replica.last_error, backoff)
                 kill = True
                 await asyncio.sleep(backoff)

@@ -160,6 +160,33 @@ class BodyTooLarge(TandemError):
         return {"Connection": "close"}  # the rest of the body is never read
 
 
+class EngineConfigError(Exception):
+    """An engine cannot start with its configuration: one line naming the model, the field and the
+    engine's own reason. Only a message: it pickles (Ray carries it from the replica's process),
+    unlike the validation errors it replaces."""
+
+
+def config_error_line(model: str, fields: dict, exc: BaseException) -> str:
+    """``exc`` (a validation error, a ValueError...) as one line naming ``model`` and the field of
+    ``fields`` it is about (pydantic's location, else the first field its message names)."""
+    errors = getattr(exc, "errors", None)
+    first = errors()[0] if callable(errors) else None
+    loc = ".".join(str(p) for p in first["loc"]) if first else ""
+    reason = (first["msg"] if first else str(exc)).removeprefix("Value error, ").strip()
+    field = loc or next((k for k in fields if k in reason), "")
+    reason = " ".join(reason.split())  # one line
+    return f"model {model!r}: " + (f"engine_args.{field}: " if field else "") + reason
+
+
+def engine_config_line(exc: BaseException) -> str | None:
+    """The one line of an EngineConfigError, also as Ray raises it from a replica (a subclass of
+    it that keeps the replica's exception as ``cause`` and prints the remote traceback), else None."""
+    if not isinstance(exc, EngineConfigError):
+        return None
+    cause = getattr(exc, "cause", None)
+    return str(cause if isinstance(cause, EngineConfigError) else exc.args[0] if exc.args else exc)
+
+
 def kind_for_status(status: int) -> ErrorKind:
     """Map an engine's own HTTP-ish status (e.g. vLLM's ErrorResponse.code) to a kind."""
     if status == 404:

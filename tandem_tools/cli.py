@@ -45,6 +45,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logger.info("config %s: %d model(s): %s", args.config or DEFAULT_CONFIG, len(config.models),
                 ", ".join(f"{m.name} ({m.kind.value}, {m.replicas} replica(s))" for m in config.models))
+    problem = None if args.attach else engine_config_problem(config)
+    if problem:
+        print(f"tandem: {problem}", file=sys.stderr)
+        return 2
     if gw.processes > 1:
         from gateway.processes import serve_processes
 
@@ -66,7 +70,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logger.info("tandem listening on http://%s:%d/v1 (models load in the background; GET /ready)",
                 gw.host, gw.port)
     run_server(build_app(service), service, log_level=args.log_level, access_log=args.access_log, sockets=[sock])
+    if service.fatal:
+        print(f"tandem: {service.fatal}", file=sys.stderr)
+        return 2
     return 0
+
+
+def engine_config_problem(config) -> str | None:
+    """vLLM's own check of each autoregressive model with a local source (a built-in or a
+    directory), before anything starts: the first refusal, in one line, else None. A hub id is
+    left to its replica's engine (its config would be fetched), which fails in one line too."""
+    from tandem_core.config import ModelKind
+    from tandem_core.errors import EngineConfigError
+    from workers.deployment import resolve_source
+    from workers.vllm_engine import check_engine_args
+
+    for m in config.models:
+        if m.kind is not ModelKind.AUTOREGRESSIVE:
+            continue
+        source = resolve_source(m, config.models_dir)
+        if not Path(source).is_dir():
+            continue
+        try:
+            check_engine_args(m.name, source, m.engine_args, m.env)
+        except EngineConfigError as e:
+            return str(e)
+    return None
 
 
 def ray_deployment(config, role: str = "solo") -> RayDeployment:

@@ -1,7 +1,7 @@
 """A fake engine for unit tests: OpenAI-shaped answers, no model.
 
 Told through ``engine_args`` (or attributes) to be slow (``token_delay_s``), to fail
-(``fail``: "start", "request", "midstream"), or to hang (``hang``: true).
+(``fail``: "start", "config", "request", "midstream"), or to hang (``hang``: true).
 
 Fault injection across processes (a fake inside a Ray actor): with ``engine_args.control_file``
 set, the engine reads that JSON file (``{"<pid>": "hang" | "stall" | "raise"}``) before each token
@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tandem_core.errors import ErrorKind, TandemError, invalid
+from tandem_core.errors import EngineConfigError, ErrorKind, TandemError, invalid
 from tandem_core.protocol import DONE, EngineInfo, EngineStats, Item
 from workers.actor import EngineActor
 from workers.transport.handles import LocalReplicaHandle
@@ -82,6 +82,8 @@ class FakeEngine:
     async def start(self) -> EngineInfo:
         if self.fail == "start":
             raise RuntimeError("fake engine told to fail at start")
+        if self.fail == "config":  # as vLLM refusing an engine argument (workers/vllm_engine.py)
+            raise EngineConfigError(f"model {self.model!r}: engine_args.fail: the fake engine refuses its config")
         return EngineInfo(model=self.model, kind="fake", max_model_len=self.max_model_len)
 
     def chat(self, body: dict, request_id: str) -> AsyncIterator[Item]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from tandem_core.errors import ErrorKind, TandemError, invalid, kind_for_status
+from tandem_core.errors import EngineConfigError, ErrorKind, TandemError, config_error_line, invalid, kind_for_status
 from tandem_core.protocol import DONE, EngineInfo, EngineStats, Item
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,27 @@ def build_vllm_args(model: str, source: str, engine_args: dict[str, Any]) -> arg
             raise ValueError(f"engine_args.{key}: not a vLLM engine or serving argument")
         setattr(args, key, value)
     return args
+
+
+def check_engine_args(model: str, source: str, engine_args: dict[str, Any], env: dict[str, str]) -> None:
+    """vLLM's own checks of a model's configuration (the model config: lengths, dtype, tokenizer),
+    as its engine will make them, with the model's ``env`` set meanwhile; cheap for a local model
+    (its config.json). Raises EngineConfigError with vLLM's reason in one line."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        try:
+            AsyncEngineArgs.from_cli_args(build_vllm_args(model, source, engine_args)).create_model_config()
+        except Exception as e:  # noqa: BLE001 - any refusal is the configuration's
+            raise EngineConfigError(config_error_line(model, engine_args, e)) from None
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _validation_error(err: ValidationError) -> TandemError:
@@ -160,8 +182,11 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = build_vllm_args(self.model, self.source, self.engine_args)
-        eargs = AsyncEngineArgs.from_cli_args(args)
-        vllm_config = eargs.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        try:
+            eargs = AsyncEngineArgs.from_cli_args(args)
+            vllm_config = eargs.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        except Exception as e:  # vLLM's reason, in one line that pickles (its ValidationError does not)
+            raise EngineConfigError(config_error_line(self.model, self.engine_args, e)) from None
         self._llm = AsyncLLM.from_vllm_config(
             vllm_config=vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,
