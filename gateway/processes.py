@@ -181,14 +181,20 @@ async def _parent(config: TandemConfig, make_deployment, owner: bool, log_level:
     os.mkdir(metrics_dir)
     use_multiprocess_dir(metrics_dir)
     service = None
+    stop = asyncio.Event()
     if deployment is not None:
         service = Service(config, deployment)
+
+        def fatal(line: str) -> None:  # a replica's configuration cannot work: stop, exit 2
+            service.fatal = service.fatal or line
+            stop.set()
+
+        service.supervisor.on_fatal = fatal
         await service.start()
         address = deployment.gcs_address()
         config = config.model_copy(update={"ray": config.ray.model_copy(update={"address": address})})
     limits_path = create_shared_limits(config, workdir)
     group = ProcessGroup(config, make_deployment, sock, log_level, access_log, limits_path)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -203,4 +209,7 @@ async def _parent(config: TandemConfig, make_deployment, owner: bool, log_level:
         sock.close()
         if service is not None:
             await service.stop()
+    if service is not None and service.fatal:
+        logger.error("tandem: %s", service.fatal)
+        return 2
     return 0
