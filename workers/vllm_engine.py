@@ -335,9 +335,15 @@ class VllmEngine:
         return True
 
     async def check_health(self) -> None:
+        """vLLM's own check (its engine core died), and, while no request runs, a round trip to the
+        engine core (a utility call): a core that hangs while idle never answers, and the gateway's
+        health timeout takes the replica out of rotation before a request lands on it. With
+        requests running, their progress is the check (the gateway's ``stall_timeout_s``)."""
         if self._llm is None:
             raise RuntimeError("engine not started")
         await self._llm.check_health()
+        if self._llm.output_processor.get_num_unfinished_requests() == 0:
+            await self._llm.is_sleeping()
 
     async def reset_prefix_cache(self) -> bool:
         if self._llm is None:

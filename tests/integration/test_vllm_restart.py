@@ -80,3 +80,53 @@ def test_killed_vllm_replica_errors_its_requests_and_comes_back(stack):
         time.sleep(0.5)  # a poll interval of the wait above (deadline, loud failure)
     assert not any(_alive(p) for p in engine_procs), "the dead replica's vLLM processes linger"
     assert httpx.get(stack.url + "/ready", timeout=10).status_code == 200
+
+
+def _engine_core(pid: int) -> int | None:
+    """vLLM's EngineCore process among the replica process's descendants."""
+    todo = list(_children(pid))
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"EngineCore" in f.read():
+                    return p
+        except OSError:
+            continue
+        todo.extend(_children(p))
+    return None
+
+
+def test_an_idle_engine_core_that_hangs_is_taken_out_of_rotation_then_restarted(stack):
+    """SIGSTOP on vLLM's EngineCore while no request runs: the health check's round trip to it
+    times out, so the replica leaves rotation within a few health intervals (before any request is
+    sent to it), and it is restarted after stall_timeout_s; then it serves as before."""
+    cfg = stack.config["gateway"]
+    interval = cfg.get("health_interval_s", 5)
+    before = httpx.post(stack.url + "/v1/chat/completions", json=ASK, timeout=60).json()["choices"][0]["message"]
+    replica = _replica(stack)
+    restarts, core = replica["restarts"], _engine_core(replica["pid"])
+    assert core is not None, "no EngineCore process under the vLLM replica"
+    os.kill(core, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        deadline = t0 + 10 * interval + 30
+        while _replica(stack)["state"] != "unhealthy":
+            assert time.monotonic() < deadline, f"a hung engine core stayed in rotation: {_replica(stack)}"
+            time.sleep(0.2)  # a poll interval of the wait above (deadline, loud failure)
+        out_after = time.monotonic() - t0
+        deadline = time.monotonic() + 400
+        while True:
+            replica = _replica(stack)
+            if replica["state"] == "healthy" and replica["restarts"] > restarts:
+                break
+            assert time.monotonic() < deadline, f"the hung replica was not restarted: {replica}\n{stack.log_tail()}"
+            time.sleep(1)  # a poll interval of the wait above (deadline, loud failure)
+    finally:
+        try:
+            os.kill(core, signal.SIGKILL)  # the stopped core outlives its killed parent otherwise
+        except ProcessLookupError:
+            pass
+    print(f"out of rotation {out_after:.1f} s after the engine core stopped (health interval {interval} s)")
+    after = httpx.post(stack.url + "/v1/chat/completions", json=ASK, timeout=60).json()["choices"][0]["message"]
+    assert after["content"] == before["content"]
