@@ -245,8 +245,12 @@ class Supervisor:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - e.g. the engine failed to start; try again
-                reason = engine_config_line(e) or f"{type(e).__name__}: {e}"
-                replica.state, replica.last_error = ReplicaState.RESTARTING, f"restart: {reason}"
+                config_line = engine_config_line(e)
+                if config_line:  # its configuration cannot work: trying again cannot help
+                    replica.state, replica.last_error = ReplicaState.FAILED, config_line
+                    logger.error("replica %s: restart failed: %s", replica.id, config_line)
+                    return
+                replica.state, replica.last_error = ReplicaState.RESTARTING, f"restart: {type(e).__name__}: {e}"
                 logger.error("replica %s: %s; next try in %.0f s", replica.id, replica.last_error, backoff)
                 kill = True
                 await asyncio.sleep(backoff)

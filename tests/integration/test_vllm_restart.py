@@ -83,17 +83,30 @@ def test_killed_vllm_replica_errors_its_requests_and_comes_back(stack):
 
 
 def _engine_core(pid: int) -> int | None:
-    """vLLM's EngineCore process among the replica process's descendants."""
-    todo = list(_children(pid))
-    while todo:
-        p = todo.pop()
+    """vLLM's EngineCore process among the replica process's descendants (any thread's children)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+
+    def under(p: int) -> bool:
+        while p > 1:
+            p = parents.get(p, 0)
+            if p == pid:
+                return True
+        return False
+
+    for p in parents:
         try:
             with open(f"/proc/{p}/cmdline", "rb") as f:
-                if b"EngineCore" in f.read():
+                if b"EngineCore" in f.read() and under(p):
                     return p
         except OSError:
             continue
-        todo.extend(_children(p))
     return None
 
 

@@ -5,6 +5,7 @@ event and [DONE]; the replica leaves the rotation and comes back by itself after
 
 import concurrent.futures as cf
 
+import httpx
 import pytest
 
 from gateway.replicas import ReplicaState
@@ -96,3 +97,19 @@ def test_a_slow_health_check_takes_a_replica_out_but_not_down():
         engine.hang = False
         _wait_for(lambda: victim.state is ReplicaState.HEALTHY, 3, "never back")
         assert victim.restarts == 0 and deployment.engines[victim.id] is engine
+
+
+def test_a_restart_refused_for_its_configuration_leaves_the_replica_failed_with_one_line():
+    """The replica's engine broke; its restart's engine refuses its configuration (as vLLM would,
+    say, after a config change on the node): no retry loop, ``failed`` with the one line."""
+    with _gateway() as (url, service, deployment):
+        victim = service.router.pools["fake"].replicas[0]
+        engine = deployment.engines[victim.id]
+        deployment.engine_args["fail"] = "config"  # what every engine made from now on gets
+        engine.broken = True
+        _wait_for(lambda: victim.state is ReplicaState.FAILED, 30, "the replica to be failed")
+        assert victim.last_error == "model 'fake': engine_args.fail: the fake engine refuses its config"
+        ready = httpx.get(url + "/ready", timeout=10).json()["models"]["fake"]
+        assert ready["ready"]  # the other replica serves
+        assert any(r["error"] == victim.last_error for r in ready["replicas"])
+        assert complete_outcome(url, TOKENS) == "ok"
