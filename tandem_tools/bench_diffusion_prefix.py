@@ -5,9 +5,9 @@ interleaved rounds), on ``shape-diffusiongemma-deep`` by default (DiffusionGemma
 vocabulary on a trunk of 8 layers 1,024 wide, where a long prompt's encoder pass costs seconds).
 Each run, through the engine's own routes (completions, streamed):
 
-1. filler: two prompts of the shared prompt's length that share nothing with it (the cache holds
-   other pages when the shared load arrives; with a small ``--memory-budget-gib`` they must give
-   way);
+1. filler: ``--fillers`` prompts (default 2) of the shared prompt's length that share nothing
+   with it (the cache holds other pages when the shared load arrives; with a small
+   ``--memory-budget-gib`` or many fillers they must give way);
 2. shared: ``--requests`` requests (default 16) sharing a ``--shared-tokens`` system prompt (default
    4,000) with a short question each: one first, the rest together once it has its first token;
 3. conversation: ``--turns`` turns (default 4) of one conversation, each resending the history
@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="diffusion-prefix: tokens of the system prompt the shared load shares (default: 4000)")
     g.add_argument("--turns", type=int, default=4, help="diffusion-prefix: turns of the conversation (default: 4)")
     g.add_argument("--threads", type=int, default=1, help="diffusion-prefix: the engine's torch threads (default: 1)")
+    g.add_argument("--fillers", type=int, default=2, help="diffusion-prefix: prompts sharing nothing sent first, "
+                   "to fill the cache (with a small --memory-budget-gib its pages must give way) (default: 2)")
 
 
 def _rss_bytes() -> int:
@@ -116,7 +118,7 @@ async def _run(engine_args: dict, model_path: str, args) -> dict:
     def mark(what):
         print(f"  {time.perf_counter() - t0:7.1f} s  {what}", flush=True)
     try:
-        for k in range(2):  # 1. filler
+        for k in range(args.fillers):  # 1. filler
             await one(_words(tok, args.shared_tokens, 1000 + k) + "\nQ: first?\nA:", None)
             mark(f"filler {k} done")
         shared = _words(tok, args.shared_tokens, 1)  # 2. the shared load
@@ -147,6 +149,7 @@ async def _run(engine_args: dict, model_path: str, args) -> dict:
             "ttft_p50_shared": pct(ttfts["shared"], 50), "ttft_p90_shared": pct(ttfts["shared"], 90),
             "ttft_conversation": ttfts["conversation"], "cached_shared": cached["shared"],
             "cached_conversation": cached["conversation"], "tokens_per_s": out_tokens / wall, "wall_s": wall,
+            "evictions": stats.get("prefix_cache_evictions", 0),
             "peak_reserved_gib": peak["reserved"] / 2**30, "peak_rss_growth_gib": peak["rss"] / 2**30,
             "failures": failures}
 
@@ -180,7 +183,8 @@ def main(args: argparse.Namespace) -> int:
                        ("ttft_p50_shared", "TTFT p50, shared load (s)"),
                        ("ttft_p90_shared", "TTFT p90, shared load (s)"),
                        ("tokens_per_s", "output tokens/s"), ("peak_reserved_gib", "peak memory reserved (GiB)"),
-                       ("peak_rss_growth_gib", "peak RSS growth (GiB)"), ("failures", "failed requests")):
+                       ("peak_rss_growth_gib", "peak RSS growth (GiB)"), ("evictions", "cached pages evicted"),
+                       ("failures", "failed requests")):
         off, on = med("off", key), med("on", key)
         ratio = f"{on / off:.2f}x" if off else "-"
         print(f"| {label} | {off:.3g} | {on:.3g} | {ratio} |")
