@@ -20,6 +20,17 @@ def _replica(stack) -> dict:
     return stack.replica_stats(MODEL)[0]
 
 
+def _restarted(stack, restarts: int, timeout: float, what: str) -> dict:
+    """Waits until the replica is healthy after more than ``restarts`` restarts; returns it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        replica = _replica(stack)
+        if replica["state"] == "healthy" and replica["restarts"] > restarts:
+            return replica
+        assert time.monotonic() < deadline, f"{what}: {replica}\n{stack.log_tail()}"
+        time.sleep(1)  # a poll interval of the wait above (deadline, loud failure)
+
+
 def _children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -65,13 +76,7 @@ def test_killed_vllm_replica_errors_its_requests_and_comes_back(stack):
     # while it restarts: a clear error at once (one replica: nowhere to retry), never a hang
     r = httpx.post(stack.url + "/v1/chat/completions", json=ASK, timeout=60)
     assert r.status_code in (500, 503) and set(r.json()["error"]) == {"message", "type", "param", "code"}
-    deadline = time.monotonic() + 300
-    while True:
-        replica = _replica(stack)
-        if replica["state"] == "healthy" and replica["restarts"] > restarts:
-            break
-        assert time.monotonic() < deadline, f"the vLLM replica did not come back: {replica}\n{stack.log_tail()}"
-        time.sleep(1)  # a poll interval of the wait above (deadline, loud failure)
+    replica = _restarted(stack, restarts, 300, "the vLLM replica did not come back")
     assert replica["pid"] != pid
     after = httpx.post(stack.url + "/v1/chat/completions", json=ASK, timeout=60).json()["choices"][0]["message"]
     assert after["content"] == before["content"]  # the same engine again: the same greedy answer
@@ -128,13 +133,7 @@ def test_an_idle_engine_core_that_hangs_is_taken_out_of_rotation_then_restarted(
             assert time.monotonic() < deadline, f"a hung engine core stayed in rotation: {_replica(stack)}"
             time.sleep(0.2)  # a poll interval of the wait above (deadline, loud failure)
         out_after = time.monotonic() - t0
-        deadline = time.monotonic() + 400
-        while True:
-            replica = _replica(stack)
-            if replica["state"] == "healthy" and replica["restarts"] > restarts:
-                break
-            assert time.monotonic() < deadline, f"the hung replica was not restarted: {replica}\n{stack.log_tail()}"
-            time.sleep(1)  # a poll interval of the wait above (deadline, loud failure)
+        _restarted(stack, restarts, 400, "the hung replica was not restarted")
     finally:
         try:
             os.kill(core, signal.SIGKILL)  # the stopped core outlives its killed parent otherwise
