@@ -66,6 +66,7 @@ class DiffusionEngine:
         self.adapter = None
         self.memory: MemoryBudget | None = None
         self.loop: DiffusionLoop | None = None
+        self._kv_cache_tokens: int | None = None  # the prefix cache's capacity, known once started
         self.intake: Intake | None = None
         self._requests: dict[str, list[str]] = {}
         self._compiler = None  # grammar.GrammarCompiler, made at the first structured output
@@ -104,6 +105,7 @@ class DiffusionEngine:
         if getattr(runner, "prefix_cache", False):  # the prefix cache's capacity, as a vLLM replica reports it
             pages = runner.kv_pages()
             extra["kv_cache_tokens"] = (min(pages) if isinstance(pages, list) else pages) * PAGE_TOKENS - PAGE_TOKENS
+        self._kv_cache_tokens = extra.get("kv_cache_tokens")
         return EngineInfo(model=self.model, kind="diffusion", max_model_len=adapter.max_position, extra=extra)
 
     def _chunk_rows(self) -> int:
@@ -320,7 +322,8 @@ class DiffusionEngine:
             "kv_pages_reserved": list(s.pages_reserved),  # per layer group (full first), one layer's pages
             "kv_pages_capacity": [g.pages for g in mem.groups] if mem else [],
             "waiting_for_memory": st.waiting_for_memory, "tokens_scored": st.tokens_scored,
-            **self.intake.image_stats, **self._prefix_stats()},
+            **self.intake.image_stats, **self._prefix_stats(),
+            "kv_cache_tokens": self._kv_cache_tokens},  # as a vLLM replica's stats say it
             progress=st.row_steps + st.encode_passes)
 
     async def reset_prefix_cache(self) -> bool:

@@ -188,6 +188,7 @@ def test_the_engine_reports_cached_tokens_and_honours_cache_salt(adapter):
     assert third["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # computed again
     assert third["choices"][0]["text"] == first["choices"][0]["text"]
     assert info.extra["kv_cache_tokens"] > 0
+    assert stats.extra["kv_cache_tokens"] == info.extra["kv_cache_tokens"]  # /admin/replicas, as vLLM's replicas
     assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= PAGE_TOKENS and cached % PAGE_TOKENS == 0 and cached < second["usage"]["prompt_tokens"]
