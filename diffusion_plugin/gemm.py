@@ -5,8 +5,9 @@ CPU at hidden 2816, on an H200 (cuBLAS) at hidden 1024 and 2816 (``tests/gpu/pro
 A batched GEMM (``bmm``) over n equal blocks gave every block the same bits for every n >= 2
 (2..100, on both), and other bits at n = 1. So in fast mode's batched passes (``ROWS`` set: the
 decoder over canvases, batched commits) every linear over (B, C, H) rows is one ``bmm`` over its
-B rows (the weight broadcast, never copied), a lone row padded to two; the tiled experts do the
-same over their tiles (``diffusiongemma_moe``). Prompt passes run alone and are left as they are.
+B rows (the weight broadcast, never copied), a lone row padded to two, and so is one over the same
+rows flattened (the MoE router's input); the tiled experts do the same over their tiles
+(``diffusiongemma_moe``). Prompt passes run alone and are left as they are.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from contextvars import ContextVar
 
 import torch
 
-ROWS: ContextVar[bool] = ContextVar("tandem_row_gemms", default=False)
+# The canvas length while a fast-mode pass over canvases runs (0: off).
+ROWS: ContextVar[int] = ContextVar("tandem_row_gemms", default=0)
 
 
 def bmm_blocks(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
@@ -35,7 +37,11 @@ def install(model, skip: tuple = ()) -> None:
 
 
 def _linear(module, hf_forward, x: torch.Tensor) -> torch.Tensor:
-    if not ROWS.get() or x.dim() != 3:
+    """(B, C, H) rows, or the same flattened to (B*C, H) (the MoE router's input): one block per row."""
+    canvas = ROWS.get()
+    rows = x.shape[1] if x.dim() == 3 else x.shape[0] if x.dim() == 2 else 0
+    if not canvas or not rows or rows % canvas:
         return hf_forward(x)
-    y = bmm_blocks(x, module.weight.t())
+    blocks = x.reshape(-1, canvas, x.shape[-1])
+    y = bmm_blocks(blocks, module.weight.t()).reshape(*x.shape[:-1], -1)
     return y if module.bias is None else y + module.bias

@@ -229,7 +229,8 @@ class Runner:
                         self._register(row, b // PAGE_TOKENS - 1)
             for group in groups:
                 images = [r.images for r in group]
-                with _experts(self.sampler), _rows(self.sampler == "fast" and group[0].pending.shape[1] == C):
+                canvas = C if self.sampler == "fast" and group[0].pending.shape[1] == C else 0
+                with _experts(self.sampler), _rows(canvas):
                     self.adapter.encode([r.cache for r in group], [r.pending for r in group],
                                         [r.cur_len for r in group],
                                         images if any(i is not None for i in images) else None)
@@ -282,7 +283,7 @@ class Runner:
         view, spec = views.get([r.seq.seq_id for r in rows], [r.version for r in rows], [r.cache for r in rows])
         token = FAST.set(spec)
         try:
-            with _experts(self.sampler), _rows(self.sampler == "fast"):
+            with _experts(self.sampler), _rows(self.adapter.canvas_length if self.sampler == "fast" else 0):
                 return self.adapter.decode_hidden(canvas, view, positions, soft)
         finally:
             FAST.reset(token)
@@ -440,9 +441,9 @@ def _experts(sampler: str):
 
 
 @contextmanager
-def _rows(on: bool):
+def _rows(canvas: int):
     """Fast mode's passes over canvases (the trunk, commits): batch-invariant linears (``gemm``)."""
-    token = gemm.ROWS.set(on)
+    token = gemm.ROWS.set(canvas)
     try:
         yield
     finally:

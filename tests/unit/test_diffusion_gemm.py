@@ -3,7 +3,8 @@
 A row's linear batched with others must give the bits it gives alone: plain ``F.linear`` over
 (B*256, H) did not at hidden 2816 on this CPU's BLAS nor on an H200 (``tests/gpu/probe_gemm.py``);
 one ``bmm`` over the rows (a lone row padded to two) does, and an installed model's linears take
-that form only inside a fast-mode pass over canvases (``ROWS``)."""
+that form only inside a fast-mode pass over canvases (``ROWS``), flattened rows (the MoE router's
+input) included."""
 
 import torch
 
@@ -39,11 +40,16 @@ def test_installed_linears_take_the_row_form_only_inside_rows():
     try:
         gemm.install(model)
         assert torch.equal(lin(x), want) and not calls  # outside ROWS: HF's own forward
-        token = gemm.ROWS.set(True)
+        token = gemm.ROWS.set(C)
         try:
             got = lin(x)
             assert calls and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
             assert torch.equal(lin(x[1:2]), got[1:2])  # and a lone row has its batched bits
+            flat = lin(x.reshape(-1, 64))  # the MoE router's input: the rows flattened
+            assert torch.equal(flat, got.reshape(-1, 32)) and torch.equal(lin(x[2]), got[2])
+            calls.clear()
+            assert torch.equal(lin(x[:, :100]), torch.nn.functional.linear(x[:, :100], lin.weight, lin.bias))
+            assert not calls  # not canvases (a prompt chunk): HF's own forward
         finally:
             gemm.ROWS.reset(token)
     finally:
