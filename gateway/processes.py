@@ -184,12 +184,7 @@ async def _parent(config: TandemConfig, make_deployment, owner: bool, log_level:
     stop = asyncio.Event()
     if deployment is not None:
         service = Service(config, deployment)
-
-        def fatal(line: str) -> None:  # a replica's configuration cannot work: stop, exit 2
-            service.fatal = service.fatal or line
-            stop.set()
-
-        service.supervisor.on_fatal = fatal
+        service.stop_serving = stop.set  # service.fatal: exit 2 below
         await service.start()
         address = deployment.gcs_address()
         config = config.model_copy(update={"ray": config.ray.model_copy(update={"address": address})})

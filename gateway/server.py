@@ -36,10 +36,5 @@ def run_server(app, service: Service, log_level: str = "info", access_log: bool 
     config = uvicorn.Config(app, host=gw.host, port=gw.port, log_level=log_level.lower(), access_log=access_log,
                             timeout_graceful_shutdown=5)
     server = DrainingServer(config)
-
-    def fatal(line: str) -> None:  # a replica's configuration cannot work: stop (the caller exits 2)
-        service.fatal = service.fatal or line
-        server.should_exit = True
-
-    service.supervisor.on_fatal = fatal
+    service.stop_serving = lambda: setattr(server, "should_exit", True)  # service.fatal: the caller exits 2
     server.run(sockets=sockets)

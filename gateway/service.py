@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from gateway.metrics import Metrics
 from gateway.router import ModelPool, Router
@@ -43,6 +44,8 @@ class Service:
         self.started_at = time.monotonic()
         self.metrics = Metrics([m.name for m in config.models])
         self.supervisor = Supervisor(config, deployment, self.router, self.metrics, attached=attached)
+        self.supervisor.on_fatal = self._fatal
+        self.stop_serving: Callable[[], None] | None = None  # set by whoever runs the service
         self._metrics_server = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the one the service runs in
 
@@ -64,6 +67,12 @@ class Service:
             if not self.router.ready():
                 logger.warning("not every model is ready after %.0f s: serving anyway (/ready says which)",
                                READY_WAIT_S)
+
+    def _fatal(self, line: str) -> None:
+        """A replica's configuration cannot work: remember why and stop serving (exit 2)."""
+        self.fatal = self.fatal or line
+        if self.stop_serving is not None:
+            self.stop_serving()
 
     def in_flight(self) -> int:
         return sum(r.outstanding for r in self.router.all_replicas())

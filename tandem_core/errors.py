@@ -183,8 +183,8 @@ def engine_config_line(exc: BaseException) -> str | None:
     it that keeps the replica's exception as ``cause`` and prints the remote traceback), else None."""
     if not isinstance(exc, EngineConfigError):
         return None
-    cause = getattr(exc, "cause", None)
-    return str(cause if isinstance(cause, EngineConfigError) else exc.args[0] if exc.args else exc)
+    cause = getattr(exc, "cause", None)  # Ray's wrapper: str() would be its traceback
+    return str(cause if isinstance(cause, EngineConfigError) else exc)
 
 
 def kind_for_status(status: int) -> ErrorKind:

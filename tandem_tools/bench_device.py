@@ -88,19 +88,13 @@ def run_tandem(adapter, sampler: str, prompts: list[list[int]], args, kv_budget:
         seq = Sequence(seq_id=f"s{i}", prompt_ids=p, params=_params(adapter, args.max_tokens, args.steps, 100 + i))
         seqs[seq.seq_id] = seq
         sched.add(seq)
+    from tandem_tools.bench_sampling import drive
+
     base = _mem_reset(args.device)
-    cpu0, t0, steps = time.process_time(), time.perf_counter(), 0
-    while sched.has_work():
-        batch, _ = sched.schedule()
-        if batch.empty():
-            continue
-        sched.update(runner.execute(batch, seqs))
-        steps += bool(batch.denoise)
-    _sync(args.device)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    tokens = sum(len(s.output_ids) for s in seqs.values())
-    return {"tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall, "s_per_step": wall / max(steps, 1),
-            "cpu_ms_per_token": 1000 * cpu / max(tokens, 1), "peak_mb_per_row": _mem_peak(args.device, base) / c}
+    r = drive(sched, runner, seqs)  # (each step's results are read back to the host: synchronous)
+    return {"tokens_per_s": r["tokens"] / r["wall_s"], "tokens": r["tokens"], "wall_s": r["wall_s"],
+            "s_per_step": r["s_per_step"], "cpu_ms_per_token": 1000 * r["cpu_s"] / max(r["tokens"], 1),
+            "peak_mb_per_row": _mem_peak(args.device, base) / c}
 
 
 def run_hf(model, prompts: list[list[int]], args, eos: set[int], static: bool) -> dict:
