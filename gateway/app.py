@@ -17,14 +17,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import views
 from gateway.generate import generate, key_name_of, request_id_of, stored_response
-from gateway.metrics import GENERATION_ROUTES, now
-from gateway.metrics import ROUTES as METRIC_ROUTES
+from gateway.metrics import now
 from gateway.openapi import request_body_schema
 from gateway.security import install_security
 from gateway.service import Service
 from gateway.streaming import anthropic_error_type
 from tandem_core.errors import ErrorKind, TandemError, invalid
-from tandem_core.protocol import ROUTES as ENGINE_ROUTES
+from tandem_core.protocol import ROUTE_SPECS, ROUTE_TABLE
 
 logger = logging.getLogger(__name__)
 
@@ -37,16 +36,7 @@ def error_response(err: TandemError, request: Request | None = None) -> JSONResp
     return JSONResponse(err.envelope(), status_code=err.status, headers=err.headers() or None)
 
 
-# Route templates counted under their own label (besides gateway.metrics.ROUTES), and the
-# generation routes among them, timed like chat and completions.
-EXTRA_ROUTES = frozenset(path for _, path in ENGINE_ROUTES.values()) | {"/version"}
-TIMED_ROUTES = frozenset({"/v1/responses", "/v1/messages"})
 ANTHROPIC_PREFIX = "/v1/messages"
-
-
-def route_label(scope: dict) -> str:
-    path = getattr(scope.get("route"), "path", None)
-    return path if path in METRIC_ROUTES or path in EXTRA_ROUTES else "other"
 
 
 class AnthropicErrors:
@@ -152,10 +142,7 @@ class MetricsMiddleware:
         finally:
             m = self.service.metrics
             model = (scope.get("state") or {}).get("tandem_model", "other")
-            route, seconds = route_label(scope), now() - t0
-            m.observe_request(model, route, status, seconds)
-            if route in TIMED_ROUTES and route not in GENERATION_ROUTES:
-                m.duration.labels(model, route).observe(seconds)
+            m.observe_request(model, m.route_label(scope), status, now() - t0)
 
 
 def vllm_version() -> str:
@@ -169,6 +156,17 @@ def vllm_version() -> str:
         except PackageNotFoundError:
             continue
     return "unknown"
+
+
+# OpenAPI operation names of the engine routes registered from the table (their names before it).
+_OPERATION = {"chat": "chat_completions"}
+
+
+def _generation_endpoint(service: Service, route: str):
+    async def endpoint(request: Request) -> Response:
+        return await generate(request, service, route)
+
+    return endpoint
 
 
 def build_app(service: Service) -> FastAPI:
@@ -227,93 +225,59 @@ def build_app(service: Service) -> FastAPI:
 
     models = [m.name for m in cfg.models]
 
-    @app.post("/v1/chat/completions", openapi_extra=request_body_schema("chat", models, cfg.limits))
-    async def chat_completions(request: Request) -> Response:
-        """Chat completion (OpenAI's API): streamed as server-sent events with `stream: true`."""
-        return await generate(request, service, "chat")
+    # The engine routes with a JSON body, from the route table (the OpenAPI operation keeps its name).
+    for spec in ROUTE_TABLE:
+        if spec.engine and "{" not in spec.path:
+            app.add_api_route(spec.path, _generation_endpoint(service, spec.name), methods=[spec.method],
+                              name=_OPERATION.get(spec.name, spec.name), description=spec.doc,
+                              openapi_extra=request_body_schema(spec.name, models, cfg.limits))
 
-    @app.post("/v1/completions", openapi_extra=request_body_schema("completions", models, cfg.limits))
-    async def completions(request: Request) -> Response:
-        """Text completion (OpenAI's API): streamed as server-sent events with `stream: true`."""
-        return await generate(request, service, "completions")
+    def route(name: str):
+        """Register a handler at the route table's method and path for ``name``, described as the table says."""
+        spec = ROUTE_SPECS[name]
+        return app.api_route(spec.path, methods=[spec.method], description=spec.doc or None)
 
-    @app.post("/v1/responses", openapi_extra=request_body_schema("responses", models, cfg.limits))
-    async def responses(request: Request) -> Response:
-        """Create a response (OpenAI's Responses API): streamed as named server-sent events with
-        `stream: true`. Autoregressive models."""
-        return await generate(request, service, "responses")
-
-    @app.get("/v1/responses/{response_id}")
+    @route("responses_retrieve")
     async def retrieve_response(request: Request, response_id: str, starting_after: int | None = None,
                                 stream: bool | None = None) -> Response:
-        """A stored response (the replica that created it serves it; vLLM stores responses only
-        when its replica runs with `VLLM_ENABLE_RESPONSES_API_STORE=1`)."""
         return await stored_response(request, service, "responses_retrieve", response_id,
                                      starting_after=starting_after, stream=stream)
 
-    @app.post("/v1/responses/{response_id}/cancel")
+    @route("responses_cancel")
     async def cancel_response(request: Request, response_id: str) -> Response:
-        """Cancel a background response (on the replica that created it)."""
         return await stored_response(request, service, "responses_cancel", response_id)
 
-    @app.post("/v1/messages", openapi_extra=request_body_schema("messages", models, cfg.limits))
-    async def messages(request: Request) -> Response:
-        """Anthropic's Messages API (errors in Anthropic's shape). Autoregressive models."""
-        return await generate(request, service, "messages")
-
-    @app.post("/v1/messages/count_tokens", openapi_extra=request_body_schema("messages_count_tokens", models,
-                                                                             cfg.limits))
-    async def messages_count_tokens(request: Request) -> Response:
-        """Anthropic's token count of a Messages request."""
-        return await generate(request, service, "messages_count_tokens")
-
-    @app.post("/tokenize", openapi_extra=request_body_schema("tokenize", models, cfg.limits))
-    async def tokenize(request: Request) -> Response:
-        """The token ids of a prompt, or of chat messages under the model's chat template."""
-        return await generate(request, service, "tokenize")
-
-    @app.post("/detokenize", openapi_extra=request_body_schema("detokenize", models, cfg.limits))
-    async def detokenize(request: Request) -> Response:
-        """The text of token ids."""
-        return await generate(request, service, "detokenize")
-
-    @app.get("/version")
+    @route("version")
     async def version() -> dict:
-        """The vLLM version serving autoregressive models (as `vllm serve` answers)."""
         return {"version": vllm_version()}
 
-    @app.get("/v1/models")
+    @route("models")
     async def list_models() -> dict:
         return {"object": "list", "data": [views.model_card(service.router, name) for name in service.router.pools]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @route("model")
     async def get_model(model_id: str) -> dict:
         service.router.pool(model_id)  # 404 in the envelope if unknown
         return views.model_card(service.router, model_id)
 
     if service.config.metrics.port is None:
-        @app.get("/metrics")
+        @route("metrics")
         async def metrics() -> Response:
             return PlainTextResponse(generate_latest(service.metrics.exposition), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/admin/replicas")
+    @route("replicas")
     async def replicas() -> dict:
-        """Each replica's state and its engine's own counters (running requests...); per model, the
-        replicas desired (autoscaling) vs running, pending and draining."""
         return {"replicas": await views.replica_stats(service.router), "models": views.scaling(service.router)}
 
-    @app.post("/reset_prefix_cache")
+    @route("reset_prefix_cache")
     async def reset_prefix_cache(model: str | None = None) -> dict:
-        """vLLM's route (its dev mode): each live replica (of ``model``, else of every model) drops
-        the cached prompt pages no request holds. ``{"success": false}`` while running requests
-        still hold cached pages, as vLLM answers: retry."""
         return await views.reset_prefix_cache(service.router, model)
 
-    @app.get("/health")
+    @route("health")
     async def health() -> dict:
         return {"status": "ok", "uptime_s": round(time.monotonic() - service.started_at, 1)}
 
-    @app.get("/ready")
+    @route("ready")
     async def ready() -> Response:
         status = views.readiness(service.router)
         return JSONResponse(status, status_code=200 if status["ready"] and not service.draining else 503)

@@ -26,10 +26,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tandem_core.errors import ErrorKind
+from tandem_core.protocol import ROUTE_TABLE
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id:path}", "/health", "/ready",
-          "/metrics", "/admin/replicas")
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+# ``route`` labels: the route table's paths (``tandem_core.protocol.ROUTE_TABLE``), else "other";
+# durations for its timed routes.
+ROUTE_LABELS = tuple(r.path for r in ROUTE_TABLE)
+TIMED_ROUTES = frozenset(r.path for r in ROUTE_TABLE if r.timed)
 STATUS_CLASSES = ("2xx", "4xx", "5xx")
 REJECT_REASONS = {
     ErrorKind.INVALID_REQUEST: "invalid", ErrorKind.CONTEXT_TOO_LONG: "context_too_long",
@@ -145,10 +147,10 @@ class Metrics:
                                "Requests retried on another replica (their replica failed before the first byte).",
                                ["model"], registry=r)
         for m in [*self.models, "other"]:  # every series exists from the start (at 0)
-            for route in (*ROUTES, "other"):
+            for route in (*ROUTE_LABELS, "other"):
                 for status in STATUS_CLASSES:
                     self.requests.labels(m, route, status)
-            for route in GENERATION_ROUTES:
+            for route in TIMED_ROUTES:
                 self.duration.labels(m, route)
             for child in (self.ttft, self.chunk_gap, self.prompt_tokens, self.output_tokens, self.in_flight,
                           self.queued, self.restarts, self.retries, self.queue_wait):
@@ -173,13 +175,13 @@ class Metrics:
 
     @staticmethod
     def route_label(scope: dict) -> str:
-        route = scope.get("route")
-        path = getattr(route, "path", None)
-        return path if path in ROUTES else "other"
+        """The ``route`` label of a request: the template of the route it matched, if the table has it."""
+        path = getattr(scope.get("route"), "path", None)
+        return path if path in ROUTE_LABELS else "other"
 
     def observe_request(self, model: str, route: str, status: int, seconds: float) -> None:
         self.requests.labels(model, route, f"{status // 100}xx" if 200 <= status < 600 else "5xx").inc()
-        if route in GENERATION_ROUTES:
+        if route in TIMED_ROUTES:
             self.duration.labels(model, route).observe(seconds)
 
     def observe_rejected(self, model: str, kind: ErrorKind) -> None:

@@ -105,16 +105,14 @@ def _chain_ids(ids: list) -> tuple[int, ...]:
 
 
 class PrefixIndex:
-    """The block hashes routed to one replica, least recently used first, at most ``max_blocks``.
-    ``owner``: the engine start (its ``EngineInfo``, a new object on every start) and actor
-    incarnation it describes; ``router.ModelPool`` empties the index when they change."""
+    """The block hashes routed to one replica's engine, least recently used first, at most
+    ``max_blocks`` (``router.ModelPool`` keeps one per replica id and engine generation)."""
 
     def __init__(self, max_blocks: int = DEFAULT_INDEX_BLOCKS):
         if max_blocks < 1:
             raise ValueError("max_blocks must be at least 1")
         self.max_blocks = max_blocks
         self._blocks: OrderedDict[int, None] = OrderedDict()
-        self.owner: tuple[object, str | None] | None = None
 
     def __len__(self) -> int:
         return len(self._blocks)

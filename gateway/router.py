@@ -18,9 +18,9 @@ alternating between them and filling both caches. A request weighs its uncached 
 prefix is cached (the cached blocks are shared, not computed again): in-flight requests of
 cached tenants do not push each other off their replica; their output still counts. No match
 anywhere: session affinity if the request has a key and affinity is on, else p2c. With both on,
-the prefix match wins (it is what the replica has seen, the session key only a proxy for it). A
-replica's index is emptied when its engine starts again (a new ``info`` or actor incarnation) or
-it is seen restarting, starting or failed: its cache is empty then. Load, everywhere loads are
+the prefix match wins (it is what the replica has seen, the session key only a proxy for it). An
+index describes one engine: it is keyed by (replica id, ``generation``) and dropped when the
+replica state machine says that engine is gone (``Effect.DROP_CACHE``). Load, everywhere loads are
 compared, is ``load + others_load``: what this gateway put there plus what other gateway
 processes did.
 
@@ -48,14 +48,12 @@ from dataclasses import dataclass, field
 
 from gateway.intake import Intake
 from gateway.prefix import BLOCK_CHARS, DEFAULT_INDEX_BLOCKS, PrefixIndex
-from gateway.replicas import Replica, ReplicaState
+from gateway.replicas import Effect, Move, Replica, ReplicaState
 from tandem_core.errors import ErrorKind, TandemError
 
 RATE_WINDOW_S = 30.0
 # Tokens a prefix block stands for (the gateway's estimate of 4 characters a token).
 TOKENS_PER_BLOCK = BLOCK_CHARS // 4
-# States in which a replica's engine (and its cache) is not the one the index describes.
-_CACHE_GONE = frozenset({ReplicaState.STARTING, ReplicaState.PENDING, ReplicaState.RESTARTING, ReplicaState.FAILED})
 
 
 def request_cost(kind: str, intake: Intake) -> float:
@@ -92,7 +90,7 @@ class ModelPool:
                  prefix_index_blocks: int | None = None):
         self.name = name
         self.kind = kind
-        self.replicas: list[Replica] = list(replicas or [])
+        self.replicas: list[Replica] = []
         self.max_in_flight = max_in_flight
         self.max_queue = max_queue
         self.affinity_load_factor = affinity_load_factor  # None: no session affinity
@@ -104,9 +102,29 @@ class ModelPool:
         # Blocks each replica's index holds; None: the engine's KV capacity (``kv_cache_tokens``
         # in its info) in blocks, else ``DEFAULT_INDEX_BLOCKS``.
         self.prefix_index_blocks = prefix_index_blocks
-        self._indexes: dict[str, PrefixIndex] = {}
+        self._indexes: dict[tuple[str, int], PrefixIndex] = {}  # (replica id, generation) -> its index
         self._waiters: deque[_Waiter] = deque()
         self._completions: deque[float] = deque()
+        for r in replicas or ():
+            self.add(r)
+
+    def add(self, replica: Replica) -> None:
+        """``replica`` joins the pool; the pool carries out its moves' effects on slots, queue
+        and prefix index."""
+        self.replicas.append(replica)
+        replica.listeners.append(self._on_move)
+
+    def _on_move(self, move: Move) -> None:
+        if Effect.DROP_CACHE in move.effects:
+            self._drop_indexes(move.replica.id)
+        if Effect.FAIL_WAITERS in move.effects:
+            self.fail_waiters_if_no_replica()
+        if Effect.WAKE in move.effects:
+            self.wake()
+
+    def _drop_indexes(self, replica_id: str) -> None:
+        for key in [k for k in self._indexes if k[0] == replica_id]:
+            del self._indexes[key]
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.state is ReplicaState.HEALTHY]
@@ -157,7 +175,6 @@ class ModelPool:
         """Among the candidates within ``prefix_load_factor`` x the average load (counting this
         request), the one whose index holds the most leading blocks of ``prefix``; on a tie, the
         matched prefix's first in its rendezvous order. None when none holds any."""
-        self._forget_lost_caches()
         bound = _bound(self.prefix_load_factor, healthy, cost)
         best, best_blocks, best_rank = None, 0, 0
         for r in candidates:
@@ -172,42 +189,33 @@ class ModelPool:
         return best
 
     def _index(self, r: Replica) -> PrefixIndex:
-        """``r``'s prefix index, emptied (resized) when ``r`` runs another engine than the one it
-        describes: a restart sets a new ``info`` (every start does) and a new incarnation."""
-        index = self._indexes.get(r.id)
-        if index is not None and index.owner is not None:
-            info, incarnation = index.owner
-            if info is r.info and (incarnation is None or r.incarnation in (None, incarnation)):
-                if incarnation is None and r.incarnation is not None:
-                    index.owner = (info, r.incarnation)
-                return index
+        """The prefix index of ``r``'s current engine (``generation``), sized by its KV capacity."""
+        index = self._indexes.get((r.id, r.generation))
+        if index is not None:
+            return index
         if self.prefix_index_blocks is not None:
             size = self.prefix_index_blocks
         else:
             kv_tokens = r.info.extra.get("kv_cache_tokens") if r.info is not None else None
             size = (max(1, int(kv_tokens) // TOKENS_PER_BLOCK) if isinstance(kv_tokens, int | float) and kv_tokens > 0
                     else DEFAULT_INDEX_BLOCKS)
-        index = self._indexes[r.id] = PrefixIndex(size)
-        index.owner = (r.info, r.incarnation)
+        self._drop_indexes(r.id)  # an older generation's, if it was not dropped yet
+        index = self._indexes[(r.id, r.generation)] = PrefixIndex(size)
         return index
-
-    def _forget_lost_caches(self) -> None:
-        """Empty the index of a replica seen (re)starting or failed: whatever it had cached is
-        gone. (UNHEALTHY keeps it: the same process, out of rotation for slow health checks.)"""
-        for r in self.replicas:
-            if r.state in _CACHE_GONE and r.id in self._indexes:
-                del self._indexes[r.id]
 
     def remove(self, replica: Replica) -> None:
         """Drop a drained replica (its requests finished or failed): it is gone for good."""
         if replica in self.replicas:
             self.replicas.remove(replica)
-        self._indexes.pop(replica.id, None)
+        if self._on_move in replica.listeners:
+            replica.listeners.remove(self._on_move)
+        self._drop_indexes(replica.id)
         self.fail_waiters_if_no_replica()
 
-    def prefix_index(self, replica_id: str) -> PrefixIndex | None:
-        """The prefix index of a replica (for /admin and tests); None before any prefix routing."""
-        return self._indexes.get(replica_id)
+    def prefix_index(self, replica: Replica) -> PrefixIndex | None:
+        """The prefix index of a replica's current engine (for /admin and tests); None before any
+        prefix routing there."""
+        return self._indexes.get((replica.id, replica.generation))
 
     def _no_replica_error(self) -> TandemError:
         states = {r.state for r in self.replicas}
@@ -265,7 +273,7 @@ class ModelPool:
             raise TandemError(ErrorKind.QUEUE_TIMEOUT,
                               f"waited {deadline_s:.3f} s in the queue of model {self.name!r}; shed") from None
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():  # given a slot just as the client went away
+            if fut.done() and not fut.cancelled() and fut.exception() is None:  # given a slot as the client left
                 self._give_back(fut.result())
             raise
         finally:

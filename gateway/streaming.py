@@ -66,7 +66,7 @@ async def sse_body(first: str, rest: AsyncIterator, on_close: Callable[[], None]
         if ended:
             return
         async for chunk in rest:
-            if isinstance(chunk, TandemError):  # an engine must not do this mid-stream; be safe
+            if isinstance(chunk, TandemError):  # replicas yield errors as values; framed here, once
                 yield chunk.sse() + DONE
                 return
             if not isinstance(chunk, str):

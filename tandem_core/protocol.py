@@ -3,8 +3,8 @@
 An engine lives inside a worker (a Ray actor, or in-process in unit tests). The gateway never
 sees an engine directly; it talks to the actor shell in ``workers/actor.py``.
 
-Routes: each generation route of the gateway (``ROUTES``) is one engine method of the same
-name (``chat``, ``completions``, ``responses``, ``tokenize``...). An engine serves a route iff it
+Routes: each engine route of the gateway (``ROUTE_TABLE``, ``engine=True``) is one engine
+method of the same name (``chat``, ``completions``, ``responses``, ``tokenize``...). An engine serves a route iff it
 has that method: the actor reports them (``EngineInfo.routes``) and the gateway answers 400,
 naming the route and the model, for any other. Adding a route to an engine is one method.
 
@@ -14,8 +14,9 @@ What a route method yields (``Item``), in order:
 - ``str`` SSE text (``"data: {...}\\n\\n"``, one or more events each) for a streaming request,
   the last one ending in ``"data: [DONE]\\n\\n"`` (chat, completions: OpenAI's framing; the
   Responses and Anthropic streams have named events and no ``[DONE]``: they end with the
-  iterator). A failure after the stream began is a ``TandemError`` item (or, on chat and
-  completions, an error event followed by ``[DONE]``), never a bare stop.
+  iterator). A failure after the stream began is a ``TandemError`` item, never a bare stop:
+  errors are values on this side; the gateway frames them for the route, once
+  (``gateway/streaming.py``).
 Cancelling the iterator (client gone) aborts the request in the engine.
 """
 
@@ -23,28 +24,71 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from tandem_core.errors import TandemError, invalid
 
-Route = Literal["chat", "completions", "responses", "responses_retrieve", "responses_cancel", "messages",
-                "messages_count_tokens", "tokenize", "detokenize"]
-# route -> (HTTP method, path) as clients call it: names routes in errors and in the OpenAPI document.
-ROUTES: dict[str, tuple[str, str]] = {
-    "chat": ("POST", "/v1/chat/completions"),
-    "completions": ("POST", "/v1/completions"),
-    "responses": ("POST", "/v1/responses"),
-    "responses_retrieve": ("GET", "/v1/responses/{response_id}"),
-    "responses_cancel": ("POST", "/v1/responses/{response_id}/cancel"),
-    "messages": ("POST", "/v1/messages"),
-    "messages_count_tokens": ("POST", "/v1/messages/count_tokens"),
-    "tokenize": ("POST", "/tokenize"),
-    "detokenize": ("POST", "/detokenize"),
-}
-# Routes whose streams are OpenAI's ``data: ...`` events ending in ``[DONE]``.
-DONE_ROUTES = frozenset({"chat", "completions"})
-# Routes that generate tokens (the others cost the gateway's token budgets only their input).
-GENERATING_ROUTES = frozenset({"chat", "completions", "responses", "messages"})
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """One HTTP route of the gateway. ``engine``: served by the engine method named ``name``;
+    ``generates``: it generates tokens (the others cost the gateway's token
+    budgets only their input); ``done``: its streams are OpenAI's ``data:`` events ending in
+    ``[DONE]``; ``timed``: its duration is a histogram (``tandem_request_duration_seconds``);
+    ``doc``: its description in the OpenAPI document. Every path here is its own ``route`` label
+    in the metrics (others: ``other``)."""
+
+    name: str
+    method: str
+    path: str
+    engine: bool = False
+    generates: bool = False
+    done: bool = False
+    timed: bool = False
+    doc: str = ""
+
+
+# The one route table: the app registers the engine routes from it, metrics take their labels from it.
+ROUTE_TABLE: tuple[RouteSpec, ...] = (
+    RouteSpec("chat", "POST", "/v1/chat/completions", engine=True, generates=True, done=True, timed=True,
+              doc="Chat completion (OpenAI's API): streamed as server-sent events with `stream: true`."),
+    RouteSpec("completions", "POST", "/v1/completions", engine=True, generates=True, done=True, timed=True,
+              doc="Text completion (OpenAI's API): streamed as server-sent events with `stream: true`."),
+    RouteSpec("responses", "POST", "/v1/responses", engine=True, generates=True, timed=True,
+              doc="Create a response (OpenAI's Responses API): streamed as named server-sent events with "
+                  "`stream: true`. Autoregressive models."),
+    RouteSpec("responses_retrieve", "GET", "/v1/responses/{response_id}", engine=True,
+              doc="A stored response (the replica that created it serves it; vLLM stores responses only when "
+                  "its replica runs with `VLLM_ENABLE_RESPONSES_API_STORE=1`)."),
+    RouteSpec("responses_cancel", "POST", "/v1/responses/{response_id}/cancel", engine=True,
+              doc="Cancel a background response (on the replica that created it)."),
+    RouteSpec("messages", "POST", "/v1/messages", engine=True, generates=True, timed=True,
+              doc="Anthropic's Messages API (errors in Anthropic's shape). Autoregressive models."),
+    RouteSpec("messages_count_tokens", "POST", "/v1/messages/count_tokens", engine=True,
+              doc="Anthropic's token count of a Messages request."),
+    RouteSpec("tokenize", "POST", "/tokenize", engine=True,
+              doc="The token ids of a prompt, or of chat messages under the model's chat template."),
+    RouteSpec("detokenize", "POST", "/detokenize", engine=True, doc="The text of token ids."),
+    RouteSpec("version", "GET", "/version", doc="The vLLM version serving autoregressive models (as `vllm serve` "
+              "answers)."),
+    RouteSpec("models", "GET", "/v1/models", doc="The served models (and their replicas' limits)."),
+    RouteSpec("model", "GET", "/v1/models/{model_id:path}", doc="One served model."),
+    RouteSpec("metrics", "GET", "/metrics", doc="Prometheus metrics (when no separate metrics port is set)."),
+    RouteSpec("replicas", "GET", "/admin/replicas", doc="Each replica's state and its engine's own counters "
+              "(running requests...); per model, the replicas desired (autoscaling) vs running, pending and "
+              "draining."),
+    RouteSpec("reset_prefix_cache", "POST", "/reset_prefix_cache", doc="vLLM's route (its dev mode): each live "
+              "replica (of `model`, else of every model) drops the cached prompt pages no request holds. "
+              "`{\"success\": false}` while running requests still hold cached pages, as vLLM answers: retry."),
+    RouteSpec("health", "GET", "/health", doc="Liveness: the gateway process answers."),
+    RouteSpec("ready", "GET", "/ready", doc="Readiness: every model has a healthy replica (503 otherwise, and "
+              "while draining)."),
+)
+ROUTE_SPECS: dict[str, RouteSpec] = {r.name: r for r in ROUTE_TABLE}
+# Engine routes: name -> (HTTP method, path) as clients call it (names routes in errors).
+ROUTES: dict[str, tuple[str, str]] = {r.name: (r.method, r.path) for r in ROUTE_TABLE if r.engine}
+DONE_ROUTES = frozenset(r.name for r in ROUTE_TABLE if r.done)
+GENERATING_ROUTES = frozenset(r.name for r in ROUTE_TABLE if r.generates)
 Item = TandemError | dict | str
 DONE = "data: [DONE]\n\n"
 

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from tandem_core.config import ModelConfig
 from tandem_core.errors import ErrorKind, TandemError
 from tandem_core.protocol import (
-    DONE_ROUTES,
     Engine,
     EngineInfo,
     EngineStats,
@@ -112,7 +111,7 @@ class EngineActor:
         self.submit_on(await self._outbox(channel_id), route, body, request_id)
 
     def submit_on(self, outbox: Outbox, route: str, body: dict, request_id: str) -> None:
-        outbox.start(request_id, self._items(route, body, request_id), done_framed=route in DONE_ROUTES)
+        outbox.start(request_id, self._items(route, body, request_id))
 
     def _items(self, route: str, body: dict, request_id: str) -> AsyncIterator[Item]:
         if route in served_routes(self.engine):  # one engine method per route (tandem_core.protocol)

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from tandem_core.errors import EngineConfigError, ErrorKind, TandemError, config_error_line, invalid, kind_for_status
-from tandem_core.protocol import DONE, EngineInfo, EngineStats, Item
+from tandem_core.protocol import EngineInfo, EngineStats, Item
 
 logger = logging.getLogger(__name__)
 
@@ -313,15 +313,11 @@ class VllmEngine:
             else:
                 if events is not None:
                     result = events(result)
-                done_framed = events is None and dump is None  # chat, completions: OpenAI's [DONE] framing
-                streamed = False
                 try:
                     async for chunk in result:
-                        streamed = True
                         yield chunk
                 except VLLMClientError as e:  # a request error found while streaming: its own answer, not a 500
-                    err = _from_vllm_error(create_error_response(e))
-                    yield err.sse() + DONE if streamed and done_framed else err
+                    yield _from_vllm_error(create_error_response(e))  # framed by the gateway for its route
         finally:
             self._active.discard(request_id)
 

@@ -141,7 +141,7 @@ def test_a_removed_replica_finishes_its_requests_before_its_actor_goes(cluster, 
                                lambda: next(r for r in _rows(url) if r["id"] == victim.id)["engine"]["running"],
                                6, LONG)
             assert held.held >= 1, "p2c over two replicas puts streams on both"
-            drained = asyncio.run_coroutine_threadsafe(service.supervisor.drain_and_remove(victim), service.loop)
+            drained = asyncio.run_coroutine_threadsafe(service.supervisor.scaling.drain_and_remove(victim), service.loop)
             wait_for(lambda: next(r for r in _rows(url) if r["id"] == victim.id)["state"] == "draining",
                      "/admin/replicas to show the victim draining")
             served = {}

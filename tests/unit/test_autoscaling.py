@@ -14,7 +14,7 @@ import pytest
 from gateway.autoscaler import Autoscaler
 from gateway.config import ConfigError, parse_config
 from gateway.replicas import Replica, ReplicaState
-from gateway.supervisor import _removal_order
+from gateway.scaling import _removal_order
 from gateway.views import replica_counts
 from tandem_core.config import AutoscalingConfig
 from tests.unit.gateway_server import HeldStreams, fake_gateway, stream_outcome
@@ -119,7 +119,7 @@ def test_config_refusals_name_the_field(model, top, says):
 
 def test_removal_prefers_a_replica_that_serves_nothing_then_the_least_loaded_then_the_newest():
     def rep(i: int, state: ReplicaState, outstanding: int = 0) -> Replica:
-        return Replica(id=f"m/{i}", model="m", handle=None, state=state, outstanding=outstanding)
+        return Replica(id=f"m/{i}", model="m", handle=None, initial=state, outstanding=outstanding)
 
     busy, light, lighter_old, pending = (rep(0, ReplicaState.HEALTHY, 3), rep(1, ReplicaState.HEALTHY, 1),
                                          rep(2, ReplicaState.HEALTHY, 0), rep(3, ReplicaState.PENDING))
@@ -196,7 +196,7 @@ def test_a_draining_replica_takes_no_new_request_and_its_requests_finish_before_
             held = HeldStreams(ex, url, victim.id, lambda: setattr(engine, "stall", True),
                                lambda: len(engine.running), 6, TOKENS)
             assert held.held >= 1, "p2c over two replicas puts streams on both"
-            drained = asyncio.run_coroutine_threadsafe(service.supervisor.drain_and_remove(victim), service.loop)
+            drained = asyncio.run_coroutine_threadsafe(service.supervisor.scaling.drain_and_remove(victim), service.loop)
             wait_for(lambda: victim.state is ReplicaState.DRAINING, "the victim to be draining")
             assert deployment.tables["fake"] == {victim.id: "draining", survivor.id: "serving"}
             served = {}
@@ -252,6 +252,6 @@ def test_drain_timeout_ends_what_is_left_with_an_error():
         with cf.ThreadPoolExecutor(8) as ex:
             held = HeldStreams(ex, url, victim.id, lambda: setattr(engine, "stall", True),
                                lambda: len(engine.running), 6, TOKENS)
-            _run(service, service.supervisor.drain_and_remove(victim), timeout=60)
+            _run(service, service.supervisor.scaling.drain_and_remove(victim), timeout=60)
             held.check()  # the victim's held streams: an error event then [DONE]; the others complete
         assert victim not in pool.replicas

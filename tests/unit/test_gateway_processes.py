@@ -12,10 +12,10 @@ import pytest
 
 from gateway.auth import RateLimiter, ResolvedKey
 from gateway.config import parse_config
+from gateway.health import others_load
 from gateway.processes import bind_socket
 from gateway.replicas import Replica
 from gateway.shared_limits import SharedStore, create_shared_limits, share
-from gateway.supervisor import others_load
 from tandem_core.errors import RateLimited, TandemError
 from tests.waiting import async_wait_for
 from workers.actor import EngineActor

@@ -114,3 +114,38 @@ def test_the_checks_catch_a_wrong_arrow_and_a_cycle(tmp_path, bad):
     g["workers.actor"] = g["workers.actor"] | {"workers._probe"}
     g["workers._probe"] = {"workers.actor"}
     assert any("workers._probe" in c for c in cycles_of(g))
+
+
+RUNTIME = ("tandem_core", "workers", "diffusion_plugin", "gateway")  # what serves (tandem_tools: tools)
+MAX_LINES = 400
+
+
+def test_no_runtime_module_is_over_400_lines():
+    big = {str(p.relative_to(ROOT)): n for pkg in RUNTIME for p in (ROOT / pkg).rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not big, f"runtime modules over {MAX_LINES} lines (split them by job): {big}"
+
+
+def test_a_replica_state_is_assigned_only_by_its_state_machine():
+    """``Replica.move_to`` (gateway/replicas.py) is the one place a replica's state changes."""
+    offenders = []
+    for pkg in RUNTIME:
+        for p in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(p.read_text(), str(p))):
+                targets = node.targets if isinstance(node, ast.Assign) else (
+                    [node.target] if isinstance(node, ast.AnnAssign | ast.AugAssign) else [])
+                for t in targets:
+                    for sub in ast.walk(t):
+                        if isinstance(sub, ast.Attribute) and sub.attr in ("state", "_state"):
+                            where = f"{p.relative_to(ROOT)}:{node.lineno}"
+                            if not (p.name == "replicas.py" and sub.attr == "_state"):
+                                offenders.append(where)
+    # Other objects have a `.state` too (Starlette's request.state...): only assignments of a
+    # ReplicaState value count.
+    offenders = [o for o in offenders if "ReplicaState" in _line(o)]
+    assert not offenders, offenders
+
+
+def _line(where: str) -> str:
+    path, line = where.rsplit(":", 1)
+    return (ROOT / path).read_text().splitlines()[int(line) - 1]

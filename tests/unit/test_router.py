@@ -12,7 +12,7 @@ from tandem_core.protocol import EngineInfo
 
 
 def _pool(*states, kind="autoregressive", **kw):
-    return ModelPool("m", kind, [Replica(id=f"m/{i}", model="m", handle=None, state=s) for i, s in enumerate(states)],
+    return ModelPool("m", kind, [Replica(id=f"m/{i}", model="m", handle=None, initial=s) for i, s in enumerate(states)],
                      rng=random.Random(0), **kw)
 
 
@@ -195,7 +195,7 @@ def test_a_cancelled_waiter_gives_its_slot_on():
 def test_no_live_replica_is_503_even_with_a_queue():
     async def main():
         pool = _full_pool()
-        pool.replicas[0].state = ReplicaState.UNHEALTHY
+        pool.replicas[0].move_to(ReplicaState.UNHEALTHY, "health check timed out")
         with pytest.raises(TandemError) as e:
             await pool.acquire()
         assert e.value.status == 503
@@ -208,11 +208,41 @@ def test_queued_requests_get_503_when_the_last_replica_fails():
         await pool.acquire()
         waiter = asyncio.create_task(pool.acquire())
         await asyncio.sleep(0)  # one loop turn: the new tasks run to their first await (no I/O: deterministic)
-        pool.replicas[0].state = ReplicaState.RESTARTING
-        pool.fail_waiters_if_no_replica()
+        pool.replicas[0].move_to(ReplicaState.RESTARTING, "its process died")  # Effect.FAIL_WAITERS
+        assert pool.queued == 0  # failed at once, not at a deadline (it has none)
         with pytest.raises(TandemError) as e:
             await asyncio.wait_for(waiter, 1)
         assert e.value.status == 503 and "restarting" in e.value.message and pool.queued == 0
+    run(main())
+
+
+def test_queued_requests_get_503_when_the_last_healthy_replica_turns_unhealthy():
+    """The state machine's decision: a queued request is failed as a new one would be (503), not
+    left to wait out its deadline, when the last healthy replica leaves the rotation; with another
+    healthy replica left it keeps waiting."""
+    async def main():
+        pool = _full_pool()
+        await pool.acquire()
+        waiter = asyncio.create_task(pool.acquire(deadline_s=60))
+        await asyncio.sleep(0)  # one loop turn: the new tasks run to their first await (no I/O: deterministic)
+        pool.replicas[0].move_to(ReplicaState.UNHEALTHY, "health check timed out")
+        assert pool.queued == 0  # failed at once, not at its 60 s deadline
+        with pytest.raises(TandemError) as e:
+            await asyncio.wait_for(waiter, 1)
+        assert e.value.status == 503 and "restarting" in e.value.message and pool.queued == 0
+
+        two = ModelPool("m", "autoregressive", [Replica(id=f"m/{i}", model="m", handle=None,
+                                                        initial=ReplicaState.HEALTHY) for i in range(2)],
+                        max_in_flight=1)
+        held = {s.replica.id: s for s in (await two.acquire(), await two.acquire())}
+        waiter = asyncio.create_task(two.acquire(deadline_s=60))
+        await asyncio.sleep(0)
+        two.replicas[0].move_to(ReplicaState.UNHEALTHY, "health check timed out")
+        assert two.queued == 1  # another healthy replica is left: it waits on
+        two.replicas[0].move_to(ReplicaState.HEALTHY)  # back, with its slot still taken
+        assert two.queued == 1
+        two.release(held["m/1"])  # a slot frees: the waiter gets it
+        assert (await asyncio.wait_for(waiter, 1)).replica is two.replicas[1]
     run(main())
 
 
@@ -245,7 +275,7 @@ def test_a_shared_prefix_goes_to_the_replica_that_has_it():
             slot = await pool.acquire(cost=500, prefix=_tenant(1, q))  # same system prompt, other question
             assert slot.replica is first.replica
             pool.release(slot)
-        assert pool.prefix_index(first.replica.id).match(_tenant(1)) == len(_tenant(1))
+        assert pool.prefix_index(first.replica).match(_tenant(1)) == len(_tenant(1))
     run(main())
 
 
@@ -315,27 +345,27 @@ def test_no_match_routes_like_p2c():
 
 
 def test_a_restarted_replica_starts_with_an_empty_index():
+    """The index is keyed by the replica's engine generation: a restart (``Effect.RESTART``) drops
+    it, and the new engine starts with an empty one."""
     async def main():
         pool = _prefix_pool(2)
         slot = await pool.acquire(cost=10, prefix=_tenant(1))
         pool.release(slot)
         r = slot.replica
-        r.incarnation = "a"
-        assert (await pool.acquire(cost=10, prefix=_tenant(1))).replica is r  # the first incarnation seen: kept
-        assert pool.prefix_index(r.id).match(_tenant(1)) > 0
-        r.incarnation = "b"  # the actor was restarted: its engine and cache are new
-        pool._index(r)
-        assert pool.prefix_index(r.id).match(_tenant(1)) == 0
-        pool.release(await pool.acquire(cost=10, prefix=_tenant(2)))
-        home = next(x for x in pool.replicas if pool.prefix_index(x.id) and pool.prefix_index(x.id).match(_tenant(2)))
-        home.info = EngineInfo("m", "autoregressive")  # a new start (the supervisor sets a new info)
-        pool._index(home)
-        assert pool.prefix_index(home.id).match(_tenant(2)) == 0
+        assert pool.prefix_index(r).match(_tenant(1)) > 0
+        r.move_to(ReplicaState.UNHEALTHY, "health check timed out")  # the same engine, out of rotation: kept
+        assert pool.prefix_index(r).match(_tenant(1)) > 0
+        r.move_to(ReplicaState.RESTARTING, "unresponsive")  # its engine and cache are gone
+        assert (r.generation, r.restarts) == (1, 1) and pool.prefix_index(r) is None
+        r.move_to(ReplicaState.HEALTHY)
+        assert pool.prefix_index(r) is None
+        other = next(x for x in pool.replicas if x is not r)
+        pool.release(await pool.acquire(cost=10, prefix=_tenant(1)))  # routed where no replica holds it
+        assert sum(1 for x in pool.replicas if pool.prefix_index(x) and pool.prefix_index(x).match(_tenant(1))) == 1
         pool.release(await pool.acquire(cost=10, prefix=_tenant(3)))
-        home = next(x for x in pool.replicas if pool.prefix_index(x.id) and pool.prefix_index(x.id).match(_tenant(3)))
-        home.state = ReplicaState.RESTARTING  # seen restarting: forgotten at the next routing
-        pool.release(await pool.acquire(cost=10, prefix=_tenant(4)))
-        assert pool.prefix_index(home.id) is None
+        home = next(x for x in (r, other) if pool.prefix_index(x) and pool.prefix_index(x).match(_tenant(3)))
+        home.move_to(ReplicaState.DRAINING)  # removed: its index goes at once
+        assert pool.prefix_index(home) is None
     run(main())
 
 
@@ -346,13 +376,13 @@ def test_the_index_is_bounded_by_the_engines_kv_capacity():
         r.info = EngineInfo("m", "autoregressive", extra={"kv_cache_tokens": 64 * 50})  # 50 blocks of ~64 tokens
         for t in range(40):
             pool.release(await pool.acquire(cost=10, prefix=_tenant(t)))
-            assert len(pool.prefix_index(r.id)) <= 50
-        assert pool.prefix_index(r.id).max_blocks == 50
-        assert pool.prefix_index(r.id).match(_tenant(39)) == len(_tenant(39))  # the latest is kept
-        assert pool.prefix_index(r.id).match(_tenant(0)) == 0  # the oldest forgotten
+            assert len(pool.prefix_index(r)) <= 50
+        assert pool.prefix_index(r).max_blocks == 50
+        assert pool.prefix_index(r).match(_tenant(39)) == len(_tenant(39))  # the latest is kept
+        assert pool.prefix_index(r).match(_tenant(0)) == 0  # the oldest forgotten
         fixed = _prefix_pool(1, prefix_index_blocks=7)
         fixed.release(await fixed.acquire(cost=10, prefix=_tenant(0)))
-        assert len(fixed.prefix_index("m/0")) == 7
+        assert len(fixed.prefix_index(fixed.replicas[0])) == 7
     run(main())
 
 
@@ -369,7 +399,7 @@ def test_prefix_and_affinity_together_the_prefix_wins_the_key_breaks_no_match():
             keyed.release(b)
         # a match beats the key: tenant 0's prompt is cached where session s0 went, another
         # session with that prompt follows the prompt, not its own key
-        home = next(r for r in pool.replicas if pool.prefix_index(r.id) and pool.prefix_index(r.id).match(_tenant(0)))
+        home = next(r for r in pool.replicas if pool.prefix_index(r) and pool.prefix_index(r).match(_tenant(0)))
         for i in range(100):  # a session whose own replica is another one
             moved = f"x{i}"
             if (await keyed.acquire(cost=0, key=moved)).replica.id != home.id:
@@ -382,7 +412,7 @@ def test_a_queued_request_keeps_its_prefix():
     async def main():
         pool = _prefix_pool(2, max_in_flight=1)
         pool.release(await pool.acquire(cost=10, prefix=_tenant(1)))
-        home = pool.replicas[[pool.prefix_index(r.id) is not None and pool.prefix_index(r.id).match(_tenant(1)) > 0
+        home = pool.replicas[[pool.prefix_index(r) is not None and pool.prefix_index(r).match(_tenant(1)) > 0
                               for r in pool.replicas].index(True)]
         busy = [await pool.acquire(cost=10, prefix=_tenant(t)) for t in (7, 8)]  # both replicas full
         waiter = asyncio.ensure_future(pool.acquire(cost=10, prefix=_tenant(1, "later")))

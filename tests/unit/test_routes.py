@@ -12,7 +12,7 @@ import pytest
 from gateway.generate import replica_of_response, response_id
 from gateway.streaming import error_event
 from tandem_core.errors import ErrorKind, TandemError
-from tandem_core.protocol import ROUTES, served_routes
+from tandem_core.protocol import ROUTE_TABLE, ROUTES, served_routes
 from tests.unit.gateway_server import fake_gateway
 from tests.waiting import wait_for
 from workers.fake_engine import FakeEngine
@@ -138,12 +138,20 @@ def test_new_routes_are_counted_under_their_own_label(gw):
     assert 'route="/tokenize"' in text
 
 
-def test_openapi_documents_the_new_routes(gw):
-    url, _, _ = gw
+def test_the_app_serves_exactly_the_route_table_and_documents_it(gw):
+    """One route table (``tandem_core.protocol.ROUTE_TABLE``): every route the app serves is in it
+    (with its method and description), and every route in it is served."""
+    url, service, _ = gw
     paths = httpx.get(url + "/openapi.json", timeout=10).json()["paths"]
+    served = {(m.lower(), path) for path, ops in paths.items() for m in ops}
+    table = {(r.method.lower(), r.path.replace(":path", "")) for r in ROUTE_TABLE}
+    assert served == table
+    for r in ROUTE_TABLE:
+        op = paths[r.path.replace(":path", "")][r.method.lower()]
+        assert op["description"] == r.doc, r.name
+    assert paths["/v1/chat/completions"]["post"]["operationId"].startswith("chat_completions")
     for _, path in ROUTES.values():
         assert path in paths
-    assert "/version" in paths
     schema = paths["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert schema["required"] == ["model", "input"]
 

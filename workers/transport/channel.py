@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tandem_core.errors import ErrorKind, TandemError
-from tandem_core.protocol import DONE, Item
+from tandem_core.protocol import Item
 
 logger = logging.getLogger(__name__)
 
@@ -57,17 +57,13 @@ class Outbox:
             if batch:
                 yield batch
 
-    def start(self, request_id: str, items: AsyncIterator[Item], done_framed: bool = True) -> None:
-        """Run one request, sending what it yields (then END) through this outbox.
-        ``done_framed``: its stream is OpenAI's ``data:`` events ending in ``[DONE]``."""
-        self.tasks[request_id] = asyncio.create_task(self._run(request_id, items, done_framed),
-                                                     name=f"req-{request_id}")
+    def start(self, request_id: str, items: AsyncIterator[Item]) -> None:
+        """Run one request, sending what it yields (then END) through this outbox."""
+        self.tasks[request_id] = asyncio.create_task(self._run(request_id, items), name=f"req-{request_id}")
 
-    async def _run(self, request_id: str, items: AsyncIterator[Item], done_framed: bool = True) -> None:
-        streamed = False
+    async def _run(self, request_id: str, items: AsyncIterator[Item]) -> None:
         try:
             async for item in items:
-                streamed = streamed or isinstance(item, str)
                 self.put(request_id, item)
         except asyncio.CancelledError:
             pass  # aborted: the gateway no longer listens for it
@@ -75,10 +71,9 @@ class Outbox:
             logger.exception("request %s failed in the engine", request_id)
             err = e if isinstance(e, TandemError) else TandemError(
                 ErrorKind.ENGINE_ERROR, f"the engine failed on this request: {type(e).__name__}")
-            # After an OpenAI stream began: its error event and [DONE]; after a stream of named
-            # events (Responses, Anthropic): the error itself, which the gateway frames as that
-            # route's error event.
-            self.put(request_id, err.sse() + DONE if streamed and done_framed else err)
+            # The error as a value, before or after a stream began: the gateway frames it for
+            # its route (gateway/streaming.py).
+            self.put(request_id, err)
         finally:
             self.tasks.pop(request_id, None)
             self.put(request_id, END)
@@ -131,13 +126,10 @@ class Demux:
 
 
 async def items_of(queue: asyncio.Queue) -> AsyncIterator[Item]:
-    """A request's items from its queue until END. A TandemError item mid-stream is raised."""
-    streamed = False
+    """A request's items from its queue until END (an error is an item like the others: the
+    gateway frames it for its route)."""
     while True:
         item = await queue.get()
         if item is END:
             return
-        if isinstance(item, TandemError) and streamed:
-            raise item
-        streamed = streamed or isinstance(item, str)
         yield item
