@@ -20,6 +20,7 @@ import logging
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
+from dataclasses import asdict
 from typing import Any
 
 from diffusion_plugin import params as P
@@ -27,16 +28,8 @@ from diffusion_plugin.chunks import ChoiceText, Delta, End, Entry, Event, Previe
 from diffusion_plugin.engine_args import DiffusionEngineArgs
 from diffusion_plugin.intake import Intake, SeqRequest
 from diffusion_plugin.loop import DiffusionLoop, EventKind
-from diffusion_plugin.memory import (
-    GIB,
-    KV_FRACTION,
-    PAGE_TOKENS,
-    MemoryBudget,
-    default_budget_bytes,
-    host_available_bytes,
-    plan_pool,
-    step_transient_bytes,
-)
+from diffusion_plugin.memory import GIB, PAGE_TOKENS, MemoryBudget, host_available_bytes
+from diffusion_plugin.memory import plan as memory_plan
 from diffusion_plugin.parsing import Parsers
 from diffusion_plugin.request import SeqStatus
 from diffusion_plugin.scheduler import Scheduler
@@ -73,11 +66,11 @@ class DiffusionEngine:
         self._compiler_lock = threading.Lock()
 
     async def start(self) -> EngineInfo:
-        from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
+        from diffusion_plugin.families import load_adapter
         from diffusion_plugin.runner import Runner
 
-        adapter = await asyncio.to_thread(DiffusionGemmaAdapter, self.source, self.args.dtype, device=self.device,
-                                          num_threads=self.args.num_threads)
+        adapter = await asyncio.to_thread(load_adapter, self.args.family, self.source, self.args.dtype,
+                                          device=self.device, num_threads=self.args.num_threads)
         self.adapter = adapter
         memory = self._budget()
         # The fast mode's KV pool is sized for the budget the scheduler admits against (on a
@@ -113,34 +106,31 @@ class DiffusionEngine:
         return 1 if self.sampler == "exact" or str(self.device).startswith("cpu") else 4
 
     def _budget(self) -> MemoryBudget:
-        # Bytes sequences may reserve (KV + per-row state); default: memory.SAFETY_FRACTION of the
-        # memory free once the weights are loaded (host MemAvailable, or the device's free
-        # memory), less the fixed vocab-wide transient of a step.
-        shape = self.adapter.memory_shape()
-        if self.memory_budget_gib is not None:
-            budget = int(self.memory_budget_gib * GIB)
-        else:
-            if self._device_pool():
-                import torch
+        """``memory.plan`` for this engine: its budget (``memory_budget_gib``, else from the memory
+        free once the weights are loaded: the device's, or the host's MemAvailable)."""
+        free = None
+        if self.memory_budget_gib is None and self._device_pool():
+            import torch
 
-                free = torch.cuda.mem_get_info(torch.device(self.device))[0]
-            else:
-                free = host_available_bytes()
-            transient = step_transient_bytes(shape, self.sampler, self._chunk_rows())
-            budget = default_budget_bytes(free, transient)
-        return self.budget_for(shape, budget)
+            from diffusion_plugin.kv_view import free_bytes
+
+            free = free_bytes(torch.device(self.device))
+        elif self.memory_budget_gib is None:
+            free = host_available_bytes()
+        return self._plan(self.adapter.memory_shape(), free_bytes=free,
+                          budget_bytes=None if self.memory_budget_gib is None else int(self.memory_budget_gib * GIB))
 
     def _device_pool(self) -> bool:
         return str(self.device).startswith("cuda")
 
     def budget_for(self, shape, budget_bytes: int) -> MemoryBudget:
-        """The budget the scheduler admits against. Fast sampler on a device (the KV page pool
-        reserved at start): ``kv_cache_fraction`` of it is the pool, planned per layer group for
-        ``max_batch`` sequences (``memory.plan_pool``), the rest is for the sequences' other bytes."""
-        if self.sampler != "fast" or not self._device_pool():
-            return MemoryBudget(shape, budget_bytes)
-        fraction = KV_FRACTION if self.args.kv_cache_fraction is None else self.args.kv_cache_fraction
-        return MemoryBudget(shape, budget_bytes, plan_pool(shape, int(budget_bytes * fraction), self.max_batch))
+        """The budget the scheduler admits against, for ``budget_bytes`` (``memory.plan``)."""
+        return self._plan(shape, budget_bytes=budget_bytes)
+
+    def _plan(self, shape, free_bytes: int | None = None, budget_bytes: int | None = None) -> MemoryBudget:
+        return memory_plan(shape, self.sampler, chunk_rows=self._chunk_rows(), free_bytes=free_bytes,
+                           budget_bytes=budget_bytes, device_pool=self._device_pool(), max_batch=self.max_batch,
+                           kv_fraction=self.args.kv_cache_fraction)
 
     # -- requests -------------------------------------------------------------------------
     def chat(self, body: dict, request_id: str) -> AsyncIterator[Item]:
@@ -309,19 +299,13 @@ class DiffusionEngine:
         st = s.stats
         ls = self.loop.stats
         return EngineStats(running=len(s.running), waiting=len(s.waiting), extra={
-            "steps": st.steps, "row_steps": st.row_steps, "row_steps_waiting": st.row_steps_waiting,
-            "blocks_committed": st.blocks_committed, "tokens_committed": st.tokens_committed,
-            "encode_passes": st.encode_passes, "aborted": st.aborted, "forward_s": ls.forward_s,
-            "busy_s": ls.busy_s, "errors": ls.errors,
-            "admitted": ls.admitted, "admission_wait_sum_s": ls.admission_wait_sum_s,
-            "block_seconds": ls.block_seconds, "active_batch": len(s.running),
+            **asdict(st), **asdict(ls), "active_batch": len(s.running),
             "canvas_occupancy": len(s.running) / s.max_batch, "sampler": self.sampler,
             "memory_budget_bytes": self.memory.budget_bytes if self.memory else None,
             "memory_reserved_bytes": s.reserved_bytes + (mem.pages_bytes(s.pages_reserved) if mem else 0),
             "kv_pool_bytes": mem.pool_bytes if mem else 0,  # a device's page pool (planned): part of the budget
             "kv_pages_reserved": list(s.pages_reserved),  # per layer group (full first), one layer's pages
             "kv_pages_capacity": [g.pages for g in mem.groups] if mem else [],
-            "waiting_for_memory": st.waiting_for_memory, "tokens_scored": st.tokens_scored,
             **self.intake.image_stats, **self._prefix_stats(),
             "kv_cache_tokens": self._kv_cache_tokens},  # as a vLLM replica's stats say it
             progress=st.row_steps + st.encode_passes)

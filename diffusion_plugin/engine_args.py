@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from diffusion_plugin.families import ADAPTERS
 from diffusion_plugin.images import ImageLimits
 from diffusion_plugin.memory import KV_FRACTION
 
@@ -21,8 +22,8 @@ _IMAGES = ImageLimits()
 class DiffusionEngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    family: str = Field("diffusiongemma", min_length=1, description="The model adapter "
-                        "(diffusion_plugin/families/); selects the engine registered as `diffusion:<family>`.")
+    family: str = Field("diffusiongemma", min_length=1, description="The model family: its adapter "
+                        f"(diffusion_plugin/families/, one of: {', '.join(sorted(ADAPTERS))}).")
     max_batch: int = Field(16, ge=1, description="Sequences denoised together (rows of one decoder forward).")
     boundaries: Literal["block", "row"] = Field("block", description="block: sequences join and leave at block "
                                                 "boundaries; row: each row commits and is replaced on its own.")
@@ -65,6 +66,13 @@ class DiffusionEngineArgs(BaseModel):
                               "(false: only data: URLs are accepted).")
     image_fetch_timeout_s: float = Field(_IMAGES.fetch_timeout_s, gt=0, description="Seconds one image fetch "
                                          "may take.")
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, v: str) -> str:
+        if v not in ADAPTERS:
+            raise ValueError(f"unknown model family {v!r}; known: {', '.join(sorted(ADAPTERS))}")
+        return v
 
     def image_limits(self) -> ImageLimits:
         return ImageLimits(max_images=self.max_images, max_image_bytes=self.max_image_bytes,

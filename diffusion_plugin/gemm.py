@@ -12,6 +12,7 @@ rows flattened (the MoE router's input); the tiled experts do the same over thei
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
@@ -45,3 +46,14 @@ def _linear(module, hf_forward, x: torch.Tensor) -> torch.Tensor:
     blocks = x.reshape(-1, canvas, x.shape[-1])
     y = bmm_blocks(blocks, module.weight.t()).reshape(*x.shape[:-1], -1)
     return y if module.bias is None else y + module.bias
+
+
+@contextmanager
+def rows(canvas: int):
+    """Fast mode's passes over canvases (the trunk, commits): batch-invariant linears over rows of
+    ``canvas`` tokens (0: plain linears)."""
+    token = ROWS.set(canvas)
+    try:
+        yield
+    finally:
+        ROWS.reset(token)

@@ -18,6 +18,7 @@ from diffusion_plugin import params as P
 from diffusion_plugin.images import ImageLimits, extract_images, load_images
 from diffusion_plugin.memory import GIB, MemoryBudget
 from diffusion_plugin.request import SamplingParams, Sequence
+from diffusion_plugin.token_params import DetokenizeBody, TokenizeBody
 from tandem_core.errors import ErrorKind, TandemError, invalid
 
 DEFAULT_MAX_TOKENS = 256
@@ -244,7 +245,7 @@ class Intake:
     def tokenize(self, body: dict) -> dict:
         """vLLM's /tokenize: ``prompt`` (add_special_tokens, default true) or ``messages`` through
         the model's chat template (add_generation_prompt, default true); return_token_strs."""
-        req = P.parse(P.TokenizeBody, body)
+        req = P.parse(TokenizeBody, body)
         tok = self.adapter.tokenizer
         if req.messages is not None:
             if req.prompt is not None:
@@ -265,7 +266,7 @@ class Intake:
 
     def detokenize(self, body: dict) -> dict:
         """vLLM's /detokenize: ``tokens`` -> ``prompt`` (special tokens kept, so it round-trips)."""
-        req = P.parse(P.DetokenizeBody, body)
+        req = P.parse(DetokenizeBody, body)
         vocab_size = len(self.adapter.tokenizer)
         bad = next((t for t in req.tokens if t >= vocab_size), None)
         if bad is not None:

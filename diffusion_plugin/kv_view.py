@@ -30,6 +30,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from diffusion_plugin.attention import ATTN_BLOCK, FastSpec, PagedKV
+from diffusion_plugin.memory import host_available_bytes
 from diffusion_plugin.prefix_cache import PageCache
 
 
@@ -208,6 +209,13 @@ def paged_cache(config, pool: KVPool) -> DynamicCache:
         layers.append(paged)
     cache.layers = layers
     return cache
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory free for a pool on ``device`` now."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return host_available_bytes()
 
 
 def release(cache) -> None:

@@ -36,7 +36,7 @@ SAFETY_FRACTION = 0.8  # of the memory free at engine start (after the weights a
 # margin (exact: 3 in its in-place sampler, 4 with logprobs; measured 0.93 GiB peak growth at
 # the real shape, batch 1).
 VOCAB_UNITS = {"exact": 5, "fast": 4}
-PAGE_TOKENS = 256  # tokens per KV page (= attention.ATTN_BLOCK, the kernel's key block)
+PAGE_TOKENS = 128  # tokens per KV page (= attention.ATTN_BLOCK, the kernel's key block)
 # Device, fast mode: the share of the budget the KV page pool takes by default (engine_args
 # ``kv_cache_fraction`` overrides it), like vLLM's carve-out of gpu_memory_utilization. KV pages
 # are this share of a sequence's reservation at the released model's layout (bf16) with a ~4k
@@ -260,3 +260,22 @@ def host_available_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def plan(shape: MemoryShape, sampler: str, *, chunk_rows: int, free_bytes: int | None = None,
+         budget_bytes: int | None = None, device_pool: bool = False, max_batch: int | None = None,
+         kv_fraction: float | None = None) -> MemoryBudget:
+    """The one place a diffusion engine's memory budget is decided. Bytes sequences may reserve
+    (KV + per-row state): ``budget_bytes`` when given (``memory_budget_gib``), else
+    ``SAFETY_FRACTION`` of ``free_bytes`` (memory free once the weights are loaded) less the
+    fixed vocab-wide transient of a step. Fast sampler with a pool reserved on a device:
+    ``kv_fraction`` (default ``KV_FRACTION``) of it is the page pool, planned per layer group for
+    ``max_batch`` sequences (``plan_pool``); the rest is for the sequences' other bytes."""
+    if budget_bytes is None:
+        if free_bytes is None:
+            raise ValueError("plan: free_bytes or budget_bytes")
+        budget_bytes = default_budget_bytes(free_bytes, step_transient_bytes(shape, sampler, chunk_rows))
+    if sampler != "fast" or not device_pool:
+        return MemoryBudget(shape, budget_bytes)
+    fraction = KV_FRACTION if kv_fraction is None else kv_fraction
+    return MemoryBudget(shape, budget_bytes, plan_pool(shape, int(budget_bytes * fraction), max_batch))

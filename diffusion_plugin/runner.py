@@ -26,8 +26,7 @@ not equal to HF.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -37,40 +36,15 @@ from diffusion_plugin.batch import RowOutput, StepBatch, StepOutput
 from diffusion_plugin.families import diffusiongemma_moe as moe
 from diffusion_plugin.families import diffusiongemma_vocab as vocab
 from diffusion_plugin.families.diffusiongemma_vocab import Pins
-from diffusion_plugin.kv_view import FastViews, KVPool, release
+from diffusion_plugin.kv_view import FastViews, KVPool, free_bytes, release
 from diffusion_plugin.memory import PAGE_TOKENS
 from diffusion_plugin.prefix_cache import chunks, page_keys
-from diffusion_plugin.request import SCORE_SEED, BlockPlan, SamplingParams, Sequence
+from diffusion_plugin.request import SCORE_SEED, Sequence
+from diffusion_plugin.rows import Row, by_length
 
 SAMPLERS = ("exact", "fast")
 # Streams of the fast mode's hash draws (_GRAMMAR: a constrained row's redraws, ``grammar``).
 _INIT, _SAMPLE, _RENOISE, _GRAMMAR = 1, 2, 3, 4
-
-
-@dataclass
-class _Row:
-    seq: Sequence
-    cache: object
-    generator: torch.Generator
-    pending: torch.Tensor  # tokens to encode before the next block (prompt, then the last block)
-    cur_len: int = 0  # tokens in the cache
-    canvas: torch.Tensor | None = None
-    soft: torch.Tensor | None = None  # (1, C, H) self-conditioning soft embedding; None on a first step
-    history: list[list[int]] | None = None  # the last argmax canvases (stability rule)
-    argmax: torch.Tensor | None = None
-    version: int = 0  # bumped when the cache changes
-    images: object | None = None  # this sequence's own image features, until its prompt pass
-    grammar: object | None = None  # a constrained sequence's ``grammar.RowGrammar``
-    keys: list | None = None  # prefix cache: the prompt's page keys (None: not cached)
-    prefill: bool = True  # the prompt pass is still to run
-    plan: BlockPlan | None = None  # the current block's (``Sequence.plan``)
-    bp: SamplingParams | None = None  # the knobs of the current block (a score block's: a plain read)
-    pins: Pins | None = None  # the current block's pinned positions
-
-    @property
-    def constrained(self):
-        """The grammar, in a generated block (score blocks read prompt tokens: no grammar)."""
-        return None if self.plan is not None and self.plan.scoring else self.grammar
 
 
 class Runner:
@@ -91,7 +65,7 @@ class Runner:
         self.kv_budget_bytes = kv_budget_bytes
         self.kv_groups = tuple(kv_groups)
         self.pool: KVPool | None = None  # fast mode: made at the first admission
-        self.rows: dict[str, _Row] = {}
+        self.rows: dict[str, Row] = {}
         # Fast mode only (``prefix_cache``): prompts encoded in page-aligned chunks, their whole
         # pages kept for reuse in the pool. Exact mode encodes a prompt in one pass, as generate().
         self.prefix_cache = prefix_cache and sampler == "fast"
@@ -114,12 +88,12 @@ class Runner:
 
             grammar = RowGrammar(seq.grammar, self.adapter.vocab_size, seq.params.eos_token_ids or
                                  self.adapter.eos_token_ids, self.adapter.canvas_length)
-        row = self.rows[seq.seq_id] = _Row(seq=seq, cache=cache, generator=gen, pending=pending,
+        row = self.rows[seq.seq_id] = Row(seq=seq, cache=cache, generator=gen, pending=pending,
                                            images=seq.images, grammar=grammar)
         if self.prefix_cache and seq.images is None and not seq.score_ids:  # (images, scoring: not yet)
             self._adopt(row)
 
-    def _adopt(self, row: _Row) -> None:
+    def _adopt(self, row: Row) -> None:
         """A new sequence starts from the cached pages of its prompt's longest cached prefix (at
         least one token is left to encode)."""
         pool, prompt = self.pool, row.seq.prompt_ids
@@ -137,7 +111,7 @@ class Runner:
             row.cur_len = j * PAGE_TOKENS
         self.cached[row.seq.seq_id] = j * PAGE_TOKENS
 
-    def _register(self, row: _Row, page: int) -> None:
+    def _register(self, row: Row, page: int) -> None:
         """The prompt's whole page ``page`` is written: each layer that holds it keeps it for reuse."""
         for i, layer in enumerate(row.cache.layers):
             physical = layer.page_at(page)
@@ -167,9 +141,9 @@ class Runner:
         if self.kv_groups:
             return [max(2, n) for n in memory.layer_pages(shape, self.kv_groups)]
         budget = self.kv_budget_bytes
-        if budget is None:
-            transient = memory.step_transient_bytes(shape, self.sampler, self.chunk_rows)
-            budget = memory.default_budget_bytes(_free_bytes(self.adapter.device), transient)
+        if budget is None:  # as the engine decides it (``memory.plan``) from the memory free now
+            budget = memory.plan(shape, self.sampler, chunk_rows=self.chunk_rows,
+                                 free_bytes=free_bytes(self.adapter.device)).budget_bytes
         return max(2, memory.pool_pages(shape, budget, lazy=self.adapter.device.type == "cpu"))
 
     def prefix_stats(self) -> dict:
@@ -219,18 +193,18 @@ class Runner:
             chunked = [r for r in encoding if r.keys is not None and r.prefill]
             rest = [r for r in encoding if r.keys is None or not r.prefill]
             groups = ([[r] for r in rest] if self.sampler == "exact" or self.rowwise else
-                      _by_length([r for r in rest if r.pending.shape[1] == C]) +
+                      by_length([r for r in rest if r.pending.shape[1] == C]) +
                       [[r] for r in rest if r.pending.shape[1] != C])
             for row in chunked:  # the prompt in page-aligned chunks, each whole page kept
                 for a, b in chunks(row.cur_len, row.cur_len + row.pending.shape[1]):
-                    with _experts(self.sampler):
+                    with moe.fast_experts(self.sampler == "fast"):
                         self.adapter.encode([row.cache], [row.pending[:, a - row.cur_len:b - row.cur_len]], [a])
                     if b % PAGE_TOKENS == 0:
                         self._register(row, b // PAGE_TOKENS - 1)
             for group in groups:
                 images = [r.images for r in group]
                 canvas = C if self.sampler == "fast" and group[0].pending.shape[1] == C else 0
-                with _experts(self.sampler), _rows(canvas):
+                with moe.fast_experts(self.sampler == "fast"), gemm.rows(canvas):
                     self.adapter.encode([r.cache for r in group], [r.pending for r in group],
                                         [r.cur_len for r in group],
                                         images if any(i is not None for i in images) else None)
@@ -257,7 +231,7 @@ class Runner:
         return out
 
     # -- 2. the trunk -----------------------------------------------------------------------
-    def _trunk(self, rows: list[_Row]) -> torch.Tensor:
+    def _trunk(self, rows: list[Row]) -> torch.Tensor:
         C = self.adapter.canvas_length
         canvas = torch.cat([r.canvas for r in rows])
         positions = torch.stack([torch.arange(r.cur_len, r.cur_len + C, dtype=torch.int32, device=canvas.device)
@@ -279,23 +253,24 @@ class Runner:
                 None if soft is None else soft[b:b + 1]) for b, r in enumerate(rows)])
         return self._fast_trunk(self._views, rows, canvas, positions, soft)
 
-    def _fast_trunk(self, views: FastViews, rows: list[_Row], canvas, positions, soft) -> torch.Tensor:
+    def _fast_trunk(self, views: FastViews, rows: list[Row], canvas, positions, soft) -> torch.Tensor:
         view, spec = views.get([r.seq.seq_id for r in rows], [r.version for r in rows], [r.cache for r in rows])
         token = FAST.set(spec)
         try:
-            with _experts(self.sampler), _rows(self.adapter.canvas_length if self.sampler == "fast" else 0):
+            fast = self.sampler == "fast"
+            with moe.fast_experts(fast), gemm.rows(self.adapter.canvas_length if fast else 0):
                 return self.adapter.decode_hidden(canvas, view, positions, soft)
         finally:
             FAST.reset(token)
 
-    def _soft(self, rows: list[_Row]) -> torch.Tensor | None:
+    def _soft(self, rows: list[Row]) -> torch.Tensor | None:
         if all(r.soft is None for r in rows):
             return None  # the decoder's own zeros
         like = next(r.soft for r in rows if r.soft is not None)
         return torch.cat([r.soft if r.soft is not None else torch.zeros_like(like) for r in rows])
 
     # -- 3./4. the vocab-wide head, the sampler, the decisions ------------------------------
-    def _sample(self, rows: list[_Row], hidden: torch.Tensor) -> list[RowOutput]:
+    def _sample(self, rows: list[Row], hidden: torch.Tensor) -> list[RowOutput]:
         steps_left = [r.bp.max_denoising_steps - r.seq.step for r in rows]
         if self.sampler == "fast":
             sampled, argmax, entropy, renoise, soft, tops, scores = self._fast(rows, hidden, steps_left)
@@ -326,7 +301,7 @@ class Runner:
             p = row.bp
             row.canvas, row.argmax, row.soft = new_canvas[b:b + 1], argmax[b:b + 1], soft[b:b + 1]
             tokens, confident_b = decisions[b][:-1], bool(decisions[b][-1])
-            stable = self._stable(row, tokens, p.stability_threshold)
+            stable = row.stable(tokens, p.stability_threshold)
             done = (stable and confident_b) or steps_left[b] <= 1
             if done:  # the commit pass encodes the argmax canvas (a partial score block: its tokens)
                 row.pending = row.argmax if row.plan.width is None else row.argmax[:, :row.plan.width]
@@ -380,13 +355,13 @@ class Runner:
         return (sampled, argmax, entropy, renoise, soft, [t for x in parts for t in x[4]],
                 [t for x in parts for t in x[5]])
 
-    def _counters(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _counters(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.adapter.device
         seeds = torch.tensor([r.seq.params.seed for r in rows], dtype=torch.int64, device=device)
         counters = torch.tensor([r.seq.block * 4096 + r.seq.step for r in rows], dtype=torch.int64, device=device)
         return seeds, counters
 
-    def _plan(self, row: _Row) -> None:
+    def _plan(self, row: Row) -> None:
         """The block starting now: its plan, its knobs (a score block: one plain read at
         temperature 1, the top ``score_k``) and its pins."""
         seq = row.seq
@@ -402,7 +377,7 @@ class Runner:
             k = seq.score_k if plan.scoring else (p.logprobs or 0)
             row.pins = Pins(list(plan.pinned), [plan.seed[j] for j in plan.pinned], k)
 
-    def _init_canvas(self, row: _Row) -> torch.Tensor:
+    def _init_canvas(self, row: Row) -> torch.Tensor:
         C = self.adapter.canvas_length
         if row.plan.scoring:  # noise that depends on nothing but the position (same read for any seed)
             seeds = torch.tensor([SCORE_SEED], dtype=torch.int64, device=self.adapter.device)
@@ -416,51 +391,6 @@ class Runner:
         if row.plan.seed:
             canvas[0, :len(row.plan.seed)] = torch.tensor(row.plan.seed, dtype=canvas.dtype, device=canvas.device)
         return canvas
-
-    @staticmethod
-    def _stable(row: _Row, tokens: list[int], threshold: int) -> bool:
-        """The stable half of StableAndConfidentStoppingCriteria: this argmax canvas equals each
-        of the last ``threshold`` ones (none yet counts as different)."""
-        if threshold == 0:
-            return True
-        history = row.history or []
-        stable = len(history) == threshold and all(h == tokens for h in history)
-        row.history = (history + [tokens])[-threshold:]
-        return stable
-
-
-@contextmanager
-def _experts(sampler: str):
-    """Fast mode: the batch-invariant tiled experts (``diffusiongemma_moe``), a lone row included;
-    exact mode: HF's own experts."""
-    token = moe.FAST_EXPERTS.set(sampler == "fast")
-    try:
-        yield
-    finally:
-        moe.FAST_EXPERTS.reset(token)
-
-
-@contextmanager
-def _rows(canvas: int):
-    """Fast mode's passes over canvases (the trunk, commits): batch-invariant linears (``gemm``)."""
-    token = gemm.ROWS.set(canvas)
-    try:
-        yield
-    finally:
-        gemm.ROWS.reset(token)
-
-
-def _free_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return memory.host_available_bytes()
-
-
-def _by_length(rows: list[_Row]) -> list[list[_Row]]:
-    groups: dict[int, list[_Row]] = {}
-    for r in rows:
-        groups.setdefault(r.pending.shape[1], []).append(r)
-    return list(groups.values())
 
 
 def _temperature(p, steps_left: int) -> float:

@@ -114,7 +114,7 @@ def others_outstanding(replica: Replica, per_channel: dict[str, int] | None) -> 
     """The requests other gateway processes have on ``replica`` (from its per-channel counts)."""
     if not per_channel:
         return 0
-    mine = getattr(replica.handle, "channel_id", None)
+    mine = replica.handle.channel_id
     return sum(n for cid, n in per_channel.items() if cid != mine)
 
 

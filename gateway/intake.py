@@ -26,6 +26,7 @@ CHARS_PER_TOKEN = 4  # the estimate of prompt tokens: ceil(characters / 4)
 DEFAULT_MAX_OUTPUT_TOKENS = 256  # the estimate of output tokens when a request names none
 # The numeric fields the input limits bound, in the order they are checked.
 NUMBERS = ("n", "best_of", "max_tokens", "max_completion_tokens", "max_output_tokens")
+COPIES = frozenset({"n", "best_of"})  # of NUMBERS: choices generated (bounded by limits.max_n)
 _NUMBER_SLOT = {name: i for i, name in enumerate(NUMBERS)}
 # isinstance with a tuple, not a union: ``X | Y`` costs ten times as much per call on 3.11.
 _CONTAINERS = (dict, list)
@@ -38,7 +39,7 @@ class Intake(NamedTuple):
     tuple because it is built on every request (a third of a frozen dataclass's cost)."""
 
     body: dict[str, Any]
-    route: str  # ``tandem_core.protocol.ROUTES``
+    route: str  # a route of ``tandem_core.protocol.ROUTE_TABLE``
     generates: bool  # the route generates tokens (``GENERATING_ROUTES``)
     depth: int  # nesting levels of the body (an object of scalars: 1)
     messages: int | None  # items in ``messages`` when it is a list
@@ -116,8 +117,10 @@ def take_in(body: dict[str, Any], route: str, *, max_depth: int | None = None, g
     if session_header is not None:
         key = (headers.get(session_header) if headers is not None else None) or body.get("user")
         key = key if isinstance(key, str) and key else None
-    return Intake(body, route, generates, depth, messages, message_chars, prompts, prompt_chars, prompt_ids,
-                  inputs, input_chars, numbers, copies, max_output, output_param, tokens, key, timeout_at)
+    return Intake(body=body, route=route, generates=generates, depth=depth, messages=messages,
+                  message_chars=message_chars, prompts=prompts, prompt_chars=prompt_chars, prompt_ids=prompt_ids,
+                  inputs=inputs, input_chars=input_chars, numbers=numbers, copies=copies, max_output=max_output,
+                  output_param=output_param, tokens=tokens, session_key=key, timeout_at=timeout_at)
 
 
 def estimate(chars: int, ids: int, max_output: int, copies: int, generates: bool) -> int:

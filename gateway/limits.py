@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.intake import DEFAULT_MAX_OUTPUT_TOKENS, NUMBERS, Intake, take_in
+from gateway.intake import COPIES, DEFAULT_MAX_OUTPUT_TOKENS, NUMBERS, Intake, take_in
 from tandem_core.config import LimitsConfig
 from tandem_core.errors import BodyTooLarge, LimitExceeded
 
@@ -60,12 +60,12 @@ def check_limits(intake: Intake, limits: LimitsConfig) -> None:
     if intake.inputs is not None:  # the Responses API: a string, or a list of message items
         _check_size("input", intake.inputs, "input items", limits.max_messages)
     _check_size("input", intake.input_chars, "characters of text", limits.max_prompt_chars)
-    for i, v in enumerate(intake.numbers):  # NUMBERS: n, best_of, then the max output tokens
+    for name, v in zip(NUMBERS, intake.numbers, strict=True):
         if v is not None:
-            if i < 2:
-                _check_number(NUMBERS[i], v, limits.max_n, "limits.max_n")
-            else:
-                _check_number(NUMBERS[i], v, limits.max_tokens_ceiling)
+            if name in COPIES:
+                _check_number(name, v, limits.max_n, "limits.max_n")
+            else:  # the max output tokens
+                _check_number(name, v, limits.max_tokens_ceiling)
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:

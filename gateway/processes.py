@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem_core.config import TandemConfig
+from tandem_core.protocol import Role
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def child_main(config: TandemConfig, make_deployment: Callable[..., Any], sock: 
     from gateway.server import run_server
     from gateway.service import Service
 
-    service = Service(config, make_deployment(config, role="attached"), attached=True, ready_before_serving=replacement)
+    service = Service(config, make_deployment(config, role=Role.ATTACHED), ready_before_serving=replacement)
     app = build_app(service)
     if shared_limits_path is not None:
         from gateway.shared_limits import share
@@ -174,7 +175,7 @@ async def _parent(config: TandemConfig, make_deployment, owner: bool, log_level:
     except OSError as e:
         logger.error("tandem: cannot listen on %s:%d: %s", config.gateway.host, config.gateway.port, e.strerror or e)
         return 2
-    deployment = make_deployment(config, role="owner") if owner else None  # starts a local Ray
+    deployment = make_deployment(config, role=Role.OWNER) if owner else None  # starts a local Ray
     # After Ray started its own processes (they use prometheus_client too), before any metric of
     # ours exists; the gateway processes inherit it.
     metrics_dir = os.path.join(workdir, "metrics")

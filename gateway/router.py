@@ -1,28 +1,14 @@
 """Route a request by ``model`` to one of that model's replicas, with admission control.
 
-Choice: power of two choices on outstanding work. Two healthy replicas with a free slot are
-drawn at random and the less loaded one wins, where load is the summed ``request_cost`` of
-what the gateway has in flight there: tokens for autoregressive replicas (what fills a KV
-cache), batch rows against ``max_batch`` for diffusion replicas (free slots at the next block
-boundary). Optional session affinity (autoregressive): a request with a session key goes to
-the key's own replica (rendezvous hashing) unless that replica is above ``load_factor`` times
-the average load, so prefix caches get hit without one hot session owning a replica.
-
-``routing: prefix`` (autoregressive): each replica has an approximate index of the prompts this
-gateway process routed there (``gateway/prefix.py``); a request goes to the replica holding the
-longest run of its prompt's leading blocks, among those within the same kind of load bound
-(``prefix_load_factor`` x the average, counting this request); among replicas with equally long
-matches, the prefix's own first choice (rendezvous hashing on the last matched block), so a
-prefix that spilled onto a second replica under load comes back to the first instead of
-alternating between them and filling both caches. A request weighs its uncached tokens where its
-prefix is cached (the cached blocks are shared, not computed again): in-flight requests of
-cached tenants do not push each other off their replica; their output still counts. No match
-anywhere: session affinity if the request has a key and affinity is on, else p2c. With both on,
-the prefix match wins (it is what the replica has seen, the session key only a proxy for it). An
-index describes one engine: it is keyed by (replica id, ``generation``) and dropped when the
-replica state machine says that engine is gone (``Effect.DROP_CACHE``). Load, everywhere loads are
-compared, is ``load + others_load``: what this gateway put there plus what other gateway
-processes did.
+Choice (``gateway/choosers.py``, each policy alone): among the healthy replicas with a free
+slot, the prefix match under ``routing: prefix`` (an index per replica engine, dropped when the
+replica's state machine says that engine is gone: ``Effect.DROP_CACHE``), else session affinity
+for a keyed request when it is on, else power of two choices on outstanding work: tokens for
+autoregressive replicas (what fills a KV cache), batch rows against ``max_batch`` for diffusion
+replicas (free slots at the next block boundary). With both prefix and affinity on, the prefix
+match wins (it is what the replica has seen, the session key only a proxy for it). Load,
+everywhere loads are compared, is ``load + others_load``: what this gateway put there plus
+what other gateway processes did.
 
 Admission: ``max_in_flight`` requests per replica (None: no limit, the engine queues). When
 every replica is full the request waits in a bounded FIFO queue; when the queue is full it is
@@ -38,7 +24,6 @@ prefix index) from the pool.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 import random
 import time
@@ -46,14 +31,13 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from gateway.choosers import Affinity, PrefixChooser, p2c
 from gateway.intake import Intake
-from gateway.prefix import BLOCK_CHARS, DEFAULT_INDEX_BLOCKS, PrefixIndex
+from gateway.prefix import PrefixIndex
 from gateway.replicas import Effect, Move, Replica, ReplicaState
 from tandem_core.errors import ErrorKind, TandemError
 
 RATE_WINDOW_S = 30.0
-# Tokens a prefix block stands for (the gateway's estimate of 4 characters a token).
-TOKENS_PER_BLOCK = BLOCK_CHARS // 4
 
 
 def request_cost(kind: str, intake: Intake) -> float:
@@ -93,16 +77,12 @@ class ModelPool:
         self.replicas: list[Replica] = []
         self.max_in_flight = max_in_flight
         self.max_queue = max_queue
-        self.affinity_load_factor = affinity_load_factor  # None: no session affinity
         self.rng = rng or random.Random()
         if routing not in ("p2c", "prefix"):
             raise ValueError(f"routing: p2c or prefix, not {routing!r}")
         self.routing = routing  # (the config allows prefix on a diffusion model only with its prefix cache)
-        self.prefix_load_factor = prefix_load_factor
-        # Blocks each replica's index holds; None: the engine's KV capacity (``kv_cache_tokens``
-        # in its info) in blocks, else ``DEFAULT_INDEX_BLOCKS``.
-        self.prefix_index_blocks = prefix_index_blocks
-        self._indexes: dict[tuple[str, int], PrefixIndex] = {}  # (replica id, generation) -> its index
+        self.affinity = Affinity(affinity_load_factor) if affinity_load_factor is not None else None
+        self.prefix = PrefixChooser(prefix_load_factor, prefix_index_blocks) if routing == "prefix" else None
         self._waiters: deque[_Waiter] = deque()
         self._completions: deque[float] = deque()
         for r in replicas or ():
@@ -115,16 +95,13 @@ class ModelPool:
         replica.listeners.append(self._on_move)
 
     def _on_move(self, move: Move) -> None:
-        if Effect.DROP_CACHE in move.effects:
-            self._drop_indexes(move.replica.id)
+        if Effect.DROP_CACHE in move.effects and self.prefix is not None:
+            self.prefix.drop(move.replica.id)
         if Effect.FAIL_WAITERS in move.effects:
             self.fail_waiters_if_no_replica()
         if Effect.WAKE in move.effects:
             self.wake()
 
-    def _drop_indexes(self, replica_id: str) -> None:
-        for key in [k for k in self._indexes if k[0] == replica_id]:
-            del self._indexes[key]
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.state is ReplicaState.HEALTHY]
@@ -151,57 +128,13 @@ class ModelPool:
         candidates = preferred or free
         if not candidates:
             return None
-        if prefix and self.routing == "prefix":
-            best = self._longest_prefix(candidates, healthy, cost, prefix)
+        if prefix and self.prefix is not None:
+            best = self.prefix.choose(candidates, healthy, cost, prefix)
             if best is not None:
                 return best
-        if key is not None and self.affinity_load_factor is not None:
-            return self._affine(candidates, healthy, cost, key)
-        if len(candidates) == 1:
-            return candidates[0]
-        a, b = self.rng.sample(candidates, 2)
-        return min(a, b, key=_score)
-
-    def _affine(self, candidates: list[Replica], healthy: list[Replica], cost: float, key: str) -> Replica:
-        """Rendezvous hashing with bounded load: the key's first replica in its own order whose
-        load is within ``load_factor`` x the average (counting this request; the least loaded
-        replica always is, unless it is full)."""
-        bound = _bound(self.affinity_load_factor, healthy, cost)
-        ordered = sorted(candidates, key=lambda r: _rendezvous(key, r.id), reverse=True)
-        return next((r for r in ordered if _load(r) <= bound), min(candidates, key=_score))
-
-    def _longest_prefix(self, candidates: list[Replica], healthy: list[Replica], cost: float,
-                        prefix: Sequence[int]) -> Replica | None:
-        """Among the candidates within ``prefix_load_factor`` x the average load (counting this
-        request), the one whose index holds the most leading blocks of ``prefix``; on a tie, the
-        matched prefix's first in its rendezvous order. None when none holds any."""
-        bound = _bound(self.prefix_load_factor, healthy, cost)
-        best, best_blocks, best_rank = None, 0, 0
-        for r in candidates:
-            if _load(r) > bound:
-                continue
-            n = self._index(r).match(prefix)
-            if n == 0 or n < best_blocks:
-                continue
-            rank = hash((prefix[n - 1], r.id))  # per process, like the block hashes
-            if n > best_blocks or rank > best_rank:
-                best, best_blocks, best_rank = r, n, rank
-        return best
-
-    def _index(self, r: Replica) -> PrefixIndex:
-        """The prefix index of ``r``'s current engine (``generation``), sized by its KV capacity."""
-        index = self._indexes.get((r.id, r.generation))
-        if index is not None:
-            return index
-        if self.prefix_index_blocks is not None:
-            size = self.prefix_index_blocks
-        else:
-            kv_tokens = r.info.extra.get("kv_cache_tokens") if r.info is not None else None
-            size = (max(1, int(kv_tokens) // TOKENS_PER_BLOCK) if isinstance(kv_tokens, int | float) and kv_tokens > 0
-                    else DEFAULT_INDEX_BLOCKS)
-        self._drop_indexes(r.id)  # an older generation's, if it was not dropped yet
-        index = self._indexes[(r.id, r.generation)] = PrefixIndex(size)
-        return index
+        if key is not None and self.affinity is not None:
+            return self.affinity.choose(candidates, healthy, cost, key)
+        return p2c(candidates, self.rng)
 
     def remove(self, replica: Replica) -> None:
         """Drop a drained replica (its requests finished or failed): it is gone for good."""
@@ -209,13 +142,14 @@ class ModelPool:
             self.replicas.remove(replica)
         if self._on_move in replica.listeners:
             replica.listeners.remove(self._on_move)
-        self._drop_indexes(replica.id)
+        if self.prefix is not None:
+            self.prefix.drop(replica.id)
         self.fail_waiters_if_no_replica()
 
     def prefix_index(self, replica: Replica) -> PrefixIndex | None:
         """The prefix index of a replica's current engine (for /admin and tests); None before any
         prefix routing there."""
-        return self._indexes.get((replica.id, replica.generation))
+        return self.prefix.existing(replica) if self.prefix is not None else None
 
     def _no_replica_error(self) -> TandemError:
         states = {r.state for r in self.replicas}
@@ -254,12 +188,8 @@ class ModelPool:
         return await self._wait(_Waiter(cost, key, exclude, prefix), deadline_s)
 
     def _take(self, replica: Replica, cost: float, prefix: Sequence[int] = ()) -> Slot:
-        if prefix and self.routing == "prefix":
-            index = self._index(replica)
-            # The cached part of the prompt is neither computed again nor held twice (requests
-            # share its KV blocks): the request weighs its uncached tokens and its output there.
-            cost = max(1.0, cost - index.match(prefix) * TOKENS_PER_BLOCK)
-            index.insert(prefix)  # the engine will hold (at least) this prompt now
+        if prefix and self.prefix is not None:
+            cost = self.prefix.take(replica, cost, prefix)  # the engine will hold this prompt now
         replica.outstanding += 1
         replica.load += cost
         return Slot(replica, cost)
@@ -314,26 +244,6 @@ class ModelPool:
             fut = self._waiters.popleft().future
             if not fut.done():
                 fut.set_exception(self._no_replica_error())
-
-
-def _load(r: Replica) -> float:
-    """What is in flight on ``r``: from this gateway process and from the others."""
-    return r.load + r.others_load
-
-
-def _bound(load_factor: float, healthy: list[Replica], cost: float) -> float:
-    """The bounded-load ceiling: ``load_factor`` x the average load, counting a request of
-    ``cost``. The least loaded healthy replica is always within it."""
-    return load_factor * (sum(_load(r) for r in healthy) + cost) / len(healthy)
-
-
-def _score(r: Replica) -> tuple[float, int]:
-    # AR: capacity is 1, so this orders by tokens in flight; diffusion: by free batch rows.
-    return (_load(r) - r.capacity, r.outstanding)
-
-
-def _rendezvous(key: str, replica_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{key}\0{replica_id}".encode(), digest_size=8).digest(), "big")
 
 
 class Router:

@@ -34,7 +34,7 @@ from gateway.replicas import Replica, ReplicaState
 from gateway.router import Router
 from tandem_core.config import ModelConfig, TandemConfig
 from tandem_core.errors import ErrorKind, TandemError
-from tandem_core.protocol import ReplicaHandle
+from tandem_core.protocol import ReplicaHandle, Role
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,6 @@ _REMOVE_FIRST = (ReplicaState.FAILED, ReplicaState.PENDING, ReplicaState.STARTIN
 
 class Lifecycle(Protocol):
     """What scaling asks of the supervisor's lifecycle part."""
-
-    attached: bool
 
     @property
     def stopping(self) -> bool: ...
@@ -85,7 +83,7 @@ class Scaling:
         while not self.lifecycle.stopping:
             await asyncio.sleep(model.autoscaling.interval_s)
             load = model_load(pool)
-            if self.deployment.shares_replicas:  # the other gateway processes' queues (this host)
+            if self.deployment.role.shared:  # the other gateway processes' queues (this host)
                 load += max(0.0, self.metrics.queued_everywhere(model.name) - pool.queued)
             decision = scaler.observe(time.monotonic(), load)
             if decision is not None and not self.lifecycle.stopping:
@@ -93,7 +91,7 @@ class Scaling:
 
     def publish(self, model: str) -> None:
         """Owner: tell the attached gateway processes which replicas a model has now."""
-        if self.lifecycle.attached or not self.deployment.shares_replicas:
+        if self.deployment.role is not Role.OWNER:
             return
         table = {r.id: DRAINING if r.state is ReplicaState.DRAINING else SERVING
                  for r in self.router.pools[model].replicas}
@@ -198,7 +196,7 @@ class Scaling:
         now = time.monotonic()
         deadline = now + gw.drain_timeout_s
         model = self.config.model(replica.model)
-        shared = self.deployment.shares_replicas
+        shared = self.deployment.role.shared
         # Other gateway processes see `draining` at their next look at the table.
         noticed = now + (2 * model.autoscaling.interval_s if shared and model.autoscaling else 0.0)
         while time.monotonic() < deadline:

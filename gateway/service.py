@@ -14,6 +14,7 @@ from gateway.metrics import Metrics
 from gateway.router import ModelPool, Router
 from gateway.supervisor import Deployment, Supervisor
 from tandem_core.config import TandemConfig
+from tandem_core.protocol import Role
 
 logger = logging.getLogger(__name__)
 
@@ -21,17 +22,16 @@ READY_WAIT_S = 120.0  # see ``Service.ready_before_serving``
 
 
 class Service:
-    """``attached``: another process owns the replicas (``gateway/processes.py``); this one
-    serves requests on them but never restarts or shuts one down, and runs no metrics port.
+    """The deployment's ``role`` says who owns the replicas (``tandem_core.protocol.Role``);
+    attached (``gateway/processes.py``), this process serves requests on them but never restarts
+    or shuts one down, and runs no metrics port.
     ``ready_before_serving``: ``start`` returns only once every model can serve (up to
     ``READY_WAIT_S``), so that a gateway process started in place of a dead one, sharing the
     listening socket with live ones, takes no connection it could only answer with 503."""
 
-    def __init__(self, config: TandemConfig, deployment: Deployment, attached: bool = False,
-                 ready_before_serving: bool = False):
+    def __init__(self, config: TandemConfig, deployment: Deployment, ready_before_serving: bool = False):
         self.config = config
         self.deployment = deployment
-        self.attached = attached
         self.ready_before_serving = ready_before_serving
         self.router = Router([
             ModelPool(m.name, m.kind.value, max_in_flight=m.max_in_flight_per_replica,
@@ -43,11 +43,15 @@ class Service:
         self.fatal: str | None = None  # why the service stopped at start (a replica's configuration)
         self.started_at = time.monotonic()
         self.metrics = Metrics([m.name for m in config.models])
-        self.supervisor = Supervisor(config, deployment, self.router, self.metrics, attached=attached)
+        self.supervisor = Supervisor(config, deployment, self.router, self.metrics)
         self.supervisor.on_fatal = self._fatal
         self.stop_serving: Callable[[], None] | None = None  # set by whoever runs the service
         self._metrics_server = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the one the service runs in
+
+    @property
+    def attached(self) -> bool:
+        return self.deployment.role is Role.ATTACHED
 
     async def start(self) -> None:
         """Create every replica and start them in the background; /ready says when they serve."""

@@ -29,7 +29,7 @@ from gateway.router import Router
 from gateway.scaling import Scaling
 from tandem_core.config import ModelConfig, TandemConfig
 from tandem_core.errors import ErrorKind, TandemError, engine_config_line
-from tandem_core.protocol import ReplicaHandle
+from tandem_core.protocol import ReplicaHandle, Role
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Deployment(Protocol):
         """Why a replica of ``model`` (``replica_id``: that one, created and not started yet)
         cannot be placed now, or None; blocking (asks the cluster)."""
 
-    shares_replicas: bool  # other gateway processes may serve these replicas
+    role: Role  # who owns the replicas (and whether other gateway processes serve them too)
 
     def publish_replicas(self, model: str, table: dict[str, str]) -> None:
         """Owner: write {replica id: "serving" | "draining"} of an autoscaled model where the
@@ -68,13 +68,11 @@ class Deployment(Protocol):
 
 
 class Supervisor:
-    def __init__(self, config: TandemConfig, deployment: Deployment, router: Router, metrics: Metrics,
-                 attached: bool = False):
+    def __init__(self, config: TandemConfig, deployment: Deployment, router: Router, metrics: Metrics):
         self.config = config
         self.deployment = deployment
         self.router = router
         self.metrics = metrics
-        self.attached = attached  # another process owns (restarts, shuts down) the replicas
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._bringing_up: dict[str, asyncio.Task] = {}  # replica id -> its start or restart task
@@ -84,6 +82,11 @@ class Supervisor:
         # every model has served (``tandem serve`` then exits 2); ``_served``: they have.
         self.on_fatal: Callable[[str], None] | None = None
         self._served = False
+
+    @property
+    def attached(self) -> bool:
+        """Another process owns (restarts, shuts down) the replicas (the deployment's role)."""
+        return self.deployment.role is Role.ATTACHED
 
     @property
     def stopping(self) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
 from tandem_core.errors import TandemError, invalid
@@ -91,6 +92,27 @@ DONE_ROUTES = frozenset(r.name for r in ROUTE_TABLE if r.done)
 GENERATING_ROUTES = frozenset(r.name for r in ROUTE_TABLE if r.generates)
 Item = TandemError | dict | str
 DONE = "data: [DONE]\n\n"
+
+
+class Role(str, Enum):
+    """Who owns a deployment's replicas: said once, by the deployment (``Deployment.role``).
+    ``solo``: one gateway process, which owns them; ``owner``: it owns them and other gateway
+    processes serve them too; ``attached``: another process owns them (this one serves requests
+    on them, but never creates, restarts or shuts one down)."""
+
+    SOLO = "solo"
+    OWNER = "owner"
+    ATTACHED = "attached"
+
+    @property
+    def owns(self) -> bool:
+        """Restarts (and finally shuts down) the replicas it reaches."""
+        return self is not Role.ATTACHED
+
+    @property
+    def shared(self) -> bool:
+        """Other gateway processes may serve these replicas (and follow the owner's table)."""
+        return self is not Role.SOLO
 
 
 @dataclass(frozen=True)
@@ -170,6 +192,7 @@ class ReplicaHandle(Protocol):
     with a 504 and aborts the request in the engine."""
 
     on_broken: Callable[[TandemError], None] | None  # set by the service: the channel broke
+    channel_id: str  # this gateway process's channel to the replica (its per-channel counts say whose)
 
     def generate(self, route: str, body: dict, request_id: str,
                  timeout_at: float | None = None) -> AsyncIterator[Item]: ...

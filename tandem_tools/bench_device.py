@@ -123,9 +123,9 @@ def throughput(args, path: str) -> dict:
     import torch
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
+    from diffusion_plugin.families import load_adapter
 
-    adapter = DiffusionGemmaAdapter(path, device=args.device)
+    adapter = load_adapter("diffusiongemma", path, device=args.device)
     tok = adapter.tokenizer
     texts = [TEXTS[i % len(TEXTS)] for i in range(max(args.levels))]
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
@@ -210,9 +210,9 @@ def run_prefix(adapter, prompts: list[list[int]], cache: bool, args) -> dict:
 
 
 def prefix(args, path: str) -> dict:
-    from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
+    from diffusion_plugin.families import load_adapter
 
-    adapter = DiffusionGemmaAdapter(path, device=args.device)
+    adapter = load_adapter("diffusiongemma", path, device=args.device)
     shared = _shared_ids(args.shared_tokens, 1, adapter.vocab_size)
     prompts = [shared + _shared_ids(16, 100 + i, adapter.vocab_size) for i in range(args.prefix_requests)]
     run_prefix(adapter, prompts[:2], True, args)  # warm-up

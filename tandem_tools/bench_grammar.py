@@ -116,11 +116,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
+    from diffusion_plugin.families import load_adapter
     from workers import tiny_models
 
     torch.set_num_threads(1)
-    adapter = DiffusionGemmaAdapter(str(tiny_models.build(args.model)))
+    adapter = load_adapter("diffusiongemma", str(tiny_models.build(args.model)))
     eos = adapter.eos_token_ids[0]
     vocab = synthetic_vocab(adapter.vocab_size, eos)
     grammar, compile_s = compile_schema(vocab, eos)

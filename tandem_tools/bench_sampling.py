@@ -147,11 +147,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
+    from diffusion_plugin.families import load_adapter
     from workers import tiny_models
 
     torch.set_num_threads(1)
-    adapter = DiffusionGemmaAdapter(str(tiny_models.build(args.model)))
+    adapter = load_adapter("diffusiongemma", str(tiny_models.build(args.model)))
     print(f"{args.model}: canvas {adapter.canvas_length}, vocabulary {adapter.vocab_size}", flush=True)
     variants = args.variants.split(",")
     setups = [(s, int(c), v) for s in args.samplers.split(",")

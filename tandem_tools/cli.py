@@ -13,6 +13,7 @@ from gateway.config import ConfigError, load_config
 from gateway.server import run_server
 from gateway.service import Service
 from tandem_core.config import DEFAULT_CONFIG
+from tandem_core.protocol import Role
 from tandem_tools import bench, bench_diffusion, bench_diffusion_prefix, bench_prefix
 from workers import tiny_models
 from workers.deployment import RayDeployment
@@ -65,8 +66,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"tandem: cannot listen on {gw.host}:{gw.port}: {e.strerror or e}", file=sys.stderr)
         return 2
-    role = "attached" if args.attach else "owner" if config.ray.address else "solo"
-    service = Service(config, ray_deployment(config, role=role), attached=args.attach)
+    role = Role.ATTACHED if args.attach else Role.OWNER if config.ray.address else Role.SOLO
+    service = Service(config, ray_deployment(config, role=role))
     logger.info("tandem listening on http://%s:%d/v1 (models load in the background; GET /ready)",
                 gw.host, gw.port)
     run_server(build_app(service), service, log_level=args.log_level, access_log=args.access_log, sockets=[sock])

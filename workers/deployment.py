@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tandem_core.config import ModelConfig, TandemConfig
 from tandem_core.errors import ErrorKind, TandemError
-from tandem_core.protocol import EngineInfo, ReplicaHealth
+from tandem_core.protocol import EngineInfo, ReplicaHealth, Role
 from workers.transport.handles import RayReplicaHandle
 
 logger = logging.getLogger(__name__)
@@ -51,14 +51,12 @@ class RayDeployment:
     process that restarts them), ``attached`` (finds the owner's named actors and never creates,
     restarts or kills one)."""
 
-    def __init__(self, config: TandemConfig, engine_key: str | None = None, role: str = "solo"):
+    def __init__(self, config: TandemConfig, engine_key: str | None = None, role: Role | str = Role.SOLO):
         import ray
 
-        if role not in ("solo", "owner", "attached"):
-            raise ValueError(f"unknown deployment role {role!r}")
         self.config = config
         self.engine_key = engine_key  # tests: force an engine (e.g. "fake")
-        self.role = role
+        self.role = Role(role)
         self._actors: dict[str, object] = {}  # replica id -> its actor handle
         self._published: set[str] = set()  # models whose replica table this owner wrote
         if not ray.is_initialized():
@@ -77,11 +75,6 @@ class RayDeployment:
                 # (joining one fails: "num_cpus must not be provided"); ray.address joins a cluster.
                 _start_local_ray(cpus)
 
-    @property
-    def owns_replicas(self) -> bool:
-        """Whether this process restarts (and finally shuts down) the replicas it reaches."""
-        return self.role != "attached"
-
     def gcs_address(self) -> str:
         """The Ray cluster's address, for the gateway processes that attach to it."""
         import ray
@@ -96,7 +89,7 @@ class RayDeployment:
     def create_replica(self, model: ModelConfig, index: int) -> tuple[str, RayReplicaHandle]:
         """One more actor of ``model`` (autoscaling): replica ``<model>/<index>``. Attached: the
         owner's actor of that id, found by name (once the owner's replica table lists it)."""
-        if self.role == "attached":
+        if self.role is Role.ATTACHED:
             gw = self.config.gateway
             rid = f"{model.name}/{index}"
             lease = max(CHANNEL_LEASE_MIN_S, 10 * gw.health_interval_s)
@@ -110,14 +103,9 @@ class RayDeployment:
     # dashboard or an actor of its own; ``ray.experimental.internal_kv`` is what Ray's own
     # libraries use for this.
 
-    @property
-    def shares_replicas(self) -> bool:
-        """Whether other gateway processes may serve these replicas (and follow the table)."""
-        return self.role != "solo"
-
     def publish_replicas(self, model: str, table: dict[str, str]) -> None:
         """Owner: the replicas of ``model`` as they are now (blocking, a GCS write)."""
-        if self.role != "owner":
+        if self.role is not Role.OWNER:
             return
         from ray.experimental.internal_kv import _internal_kv_put
 
@@ -145,7 +133,7 @@ class RayDeployment:
                    "scheduling_strategy": "SPREAD", "max_restarts": model.max_restarts, "max_task_retries": 0}
         if model.env:
             options["runtime_env"] = {"env_vars": dict(model.env)}
-        if self.role == "owner":  # other gateway processes find it by name
+        if self.role is Role.OWNER:  # other gateway processes find it by name
             options["name"] = actor_name(rid)
         actor = ray.remote(EngineActor).options(**options).remote(model.model_dump(mode="json"), source, rid,
                                                                   self.engine_key)
@@ -157,7 +145,7 @@ class RayDeployment:
         import ray
 
         actor = self._actors.pop(replica_id, None)
-        if actor is not None and self.role != "attached":
+        if actor is not None and self.role.owns:
             ray.kill(actor, no_restart=True)
 
     def placement_problem(self, model: ModelConfig, replica_id: str | None = None) -> str | None:
@@ -199,7 +187,7 @@ class RayDeployment:
     def close(self) -> None:
         import ray
 
-        if self.role == "attached":  # the owner's actors: never killed here
+        if self.role is Role.ATTACHED:  # the owner's actors: never killed here
             return
         if self._published:
             from ray.experimental.internal_kv import _internal_kv_del

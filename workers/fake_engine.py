@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tandem_core.errors import EngineConfigError, ErrorKind, TandemError, invalid
-from tandem_core.protocol import DONE, EngineInfo, EngineStats, Item
+from tandem_core.protocol import DONE, EngineInfo, EngineStats, Item, Role
 from workers.actor import EngineActor
 from workers.transport.handles import LocalReplicaHandle
 
@@ -253,7 +253,7 @@ class FakeDeployment:
     def placement_problem(self, model, replica_id: str | None = None) -> str | None:
         return None  # in-process: always placed
 
-    shares_replicas = False  # one gateway, in-process
+    role = Role.SOLO  # one gateway, in-process
 
     def publish_replicas(self, model: str, table: dict[str, str]) -> None:
         self.tables[model] = dict(table)

@@ -28,6 +28,7 @@ forward, bit-exact with ``generate()``.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
@@ -96,3 +97,13 @@ def tiled_experts(gate_up: torch.Tensor, down: torch.Tensor, act, hidden: torch.
     for k in range(K):
         final += torch.gather(weighted, 1, by_expert[:, k, None, None].expand(N, 1, H))[:, 0]
     return final
+
+
+@contextmanager
+def fast_experts(on: bool):
+    """``on`` (fast mode): the batch-invariant tiled experts, a lone row included; else HF's own."""
+    token = FAST_EXPERTS.set(on)
+    try:
+        yield
+    finally:
+        FAST_EXPERTS.reset(token)

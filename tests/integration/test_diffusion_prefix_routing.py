@@ -5,11 +5,12 @@ prompt's pages, where its later requests hit (``cached_tokens``, the replicas' c
 import httpx
 import pytest
 
+from diffusion_plugin.memory import PAGE_TOKENS
 from tests.integration.stack import REPO, running_stack
 from tests.unit.gateway_server import free_port
 
 MODEL = "tiny-diffusiongemma"
-PAGE = 256  # the diffusion KV page (diffusion_plugin.memory.PAGE_TOKENS)
+PAGE = PAGE_TOKENS  # the diffusion KV page
 TENANTS, ROUNDS = 4, 3
 
 

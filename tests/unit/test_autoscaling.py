@@ -17,6 +17,7 @@ from gateway.replicas import Replica, ReplicaState
 from gateway.scaling import _removal_order
 from gateway.views import replica_counts
 from tandem_core.config import AutoscalingConfig
+from tandem_core.protocol import Role
 from tests.unit.gateway_server import HeldStreams, fake_gateway, stream_outcome
 from tests.waiting import wait_for
 
@@ -188,7 +189,7 @@ def test_a_draining_replica_takes_no_new_request_and_its_requests_finish_before_
     """Also as the owner of replicas other gateway processes share: the drain is published, and it
     ends when the replica itself counts no request in flight (every process's)."""
     with _drain_setup(drain_timeout_s=600) as (url, service, deployment):
-        deployment.shares_replicas = True
+        deployment.role = Role.OWNER
         pool = service.router.pools["fake"]
         victim, survivor = pool.replicas
         engine = deployment.engines[victim.id]
@@ -224,7 +225,8 @@ def test_an_attached_gateway_process_follows_the_owners_replica_table():
             {**MODEL, "name": "fake", "autoscaling": {"max_replicas": 4, "interval_s": 0.02}}]})
         deployment = FakeDeployment({"num_tokens": 2})
         deployment.tables["fake"] = {"fake/0": "serving", "fake/3": "serving"}
-        service = Service(config, deployment, attached=True)
+        deployment.role = Role.ATTACHED
+        service = Service(config, deployment)
         await service.start()
         pool = service.router.pools["fake"]
 

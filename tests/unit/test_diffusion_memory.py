@@ -106,7 +106,8 @@ def test_kv_is_reserved_once_in_whole_pages():
     tokens = 300 + 256 + 256
     pages = -(-tokens // PAGE_TOKENS)
     assert kv_page_bytes(REAL, tokens) == pages * PAGE_TOKENS * 2 * 4 * (2048 + 1024)
-    assert kv_page_bytes(REAL, 10_000) == 2 * 4 * PAGE_TOKENS * (2048 * 5 + 1024 * 40)  # the window: 5 pages
+    window_pages = -(-1023 // PAGE_TOKENS) + 1  # the window (1,023 tokens) and the page it straddles
+    assert kv_page_bytes(REAL, 10_000) == 2 * 4 * PAGE_TOKENS * (2048 * window_pages + 1024 * -(-10_000 // PAGE_TOKENS))
     assert kv_page_bytes(REAL, tokens) <= sequence_bytes(REAL, 300, 256) < 2 * kv_page_bytes(REAL, tokens) + 10**9
 
 
@@ -150,7 +151,7 @@ def test_the_plan_gives_sliding_layers_only_what_max_batch_windows_hold():
     plan = plan_pool(HYBRID, 8 * GIB_, max_batch=16)
     full, sliding = plan
     assert (full.window, sliding.window) == (None, 1023) and len(full.layers) == 2 and len(sliding.layers) == 10
-    assert sliding.pages == 16 * 5  # a 1023-token window straddles 5 pages
+    assert sliding.pages == 16 * (-(-1023 // PAGE_TOKENS) + 1)  # the pages a 1023-token window straddles
     pool = sum(g.pages * g.page_bytes for g in plan)
     assert 8 * GIB_ - full.page_bytes < pool <= 8 * GIB_  # the full layers take the rest
     equal = pool_pages(HYBRID, 8 * GIB_, lazy=False) - 1
@@ -186,14 +187,15 @@ def test_long_sequences_are_admitted_only_as_far_as_the_full_layers_pages_allow(
         HYBRID, 12 * GIB_)
     full, sliding = budget.groups
     assert budget.pool_bytes <= KV_FRACTION * 12 * GIB_ and budget.pool_bytes + budget.rest_bytes == 12 * GIB_
-    long_ = (20_000 - 512 - 256, 512)  # 20,000 tokens: 79 pages per full layer, 5 per sliding one
+    long_ = (20_000 - 512 - 256, 512)  # 20,000 tokens: every page in a full layer, a window's in a sliding one
+    n_full, n_sliding = -(-20_000 // PAGE_TOKENS), -(-1023 // PAGE_TOKENS) + 1
     s = _flood(budget, [long_] * 16, max_batch=16)
     admitted = len(s.running)
-    assert 1 < admitted == full.pages // 79 < 16 and s.pages_reserved == (79 * admitted, 5 * admitted)
+    assert 1 < admitted == full.pages // n_full < 16 and s.pages_reserved == (n_full * admitted, n_sliding * admitted)
     assert s.reserved_bytes + budget.need(*long_) <= budget.rest_bytes  # bytes were not what stopped it
     # An equal count per layer within the same pool bytes (before) held fewer of them.
     equal = budget.pool_bytes // sum(g.page_bytes for g in budget.groups)
-    assert equal // 79 < admitted
+    assert equal // n_full < admitted
     # Short sequences (2 pages per layer) fill max_batch on the same plan.
     assert len(_flood(budget, [(100, 100)] * 20, max_batch=16).running) == 16
 

@@ -14,7 +14,8 @@ from diffusion_plugin.runner import Runner
 from diffusion_plugin.scheduler import Scheduler
 from workers import tiny_models
 
-LONG = [(7 * i + j) % 1000 + 3 for i in range(1) for j in range(600)]  # 600 + 40 + 32 tokens: 3 pages
+LONG = [(7 * i + j) % 1000 + 3 for i in range(1) for j in range(600)]  # 600 + 40 + 32 tokens
+LONG_PAGES = -(-(600 + 40 + 32) // memory.PAGE_TOKENS)
 SHORT = [(5 * j) % 1000 + 3 for j in range(25)]  # 1 page
 
 
@@ -61,8 +62,9 @@ def _run(adapter, prompts, groups=(), max_batch=4, on_step=None):
 def test_a_sliding_layer_never_holds_more_pages_than_its_window_straddles(adapter):
     """A 600-token prompt pass in a sliding layer (window 63) with 2 pages: it writes only what it
     keeps, gives pages back before taking new ones, and returns what HF's layers return."""
-    pool = kv_view.KVPool(adapter.kv_layout(), [3, 8], torch.float32, "cpu")  # sliding: 2 pages + null
-    assert [k.shape[0] for k in pool.k] == [3, 8] and pool.nbytes() == 2 * 11 * 64 * 256 * 4
+    full = -(-(600 + 32 + 32 + 250 + 32) // memory.PAGE_TOKENS) + 1  # every token's page + null
+    pool = kv_view.KVPool(adapter.kv_layout(), [3, full], torch.float32, "cpu")  # sliding: 2 pages + null
+    assert [k.shape[0] for k in pool.k] == [3, full] and pool.nbytes() == 2 * (3 + full) * 64 * memory.PAGE_TOKENS * 4
     paged, plain = adapter.new_cache(pool), adapter.new_cache()
     g = torch.Generator().manual_seed(0)
     for n in (600, 32, 32, 250, 32):
@@ -77,7 +79,7 @@ def test_a_sliding_layer_never_holds_more_pages_than_its_window_straddles(adapte
 
 
 def test_a_planned_pool_admits_long_sequences_by_pages_and_never_runs_out(adapter):
-    groups = _plan(adapter, full_pages=7, max_batch=4)  # two long ones (3 pages each) at a time
+    groups = _plan(adapter, full_pages=2 * LONG_PAGES + 1, max_batch=4)  # two long ones at a time
     full, sliding = groups
     seen = {"long": 0}
 

@@ -23,8 +23,10 @@ def test_keys_chain_the_prefix_and_the_salt():
     assert len(ka) == 3  # whole pages only
     assert ka[0] == kb[0] and ka[1] != kb[1] and ka[2] != kb[2]  # a change moves every later key
     assert page_keys(a, "tenant-1")[0] != ka[0] and page_keys(a, "tenant-1") == page_keys(a, "tenant-1")
-    assert chunks(0, 600) == [(0, 256), (256, 512), (512, 600)]
-    assert chunks(512, 530) == [(512, 530)] and chunks(300, 300) == []
+    P = PAGE_TOKENS
+    assert chunks(0, 2 * P + 88) == [(0, P), (P, 2 * P), (2 * P, 2 * P + 88)]
+    assert chunks(2 * P, 2 * P + 18) == [(2 * P, 2 * P + 18)] and chunks(P + 44, P + 44) == []
+    assert chunks(P + 44, 3 * P) == [(P + 44, 2 * P), (2 * P, 3 * P)]  # a cut ends on the page grid
 
 
 def test_page_cache_references_lru_and_eviction():

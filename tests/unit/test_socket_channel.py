@@ -118,7 +118,7 @@ def test_a_gateway_that_drops_its_connection_fails_its_requests_and_the_replica_
         handle.on_broken = broken.append
         tasks = [asyncio.ensure_future(_collect(handle, f"r{i}")) for i in range(3)]
         await async_wait_for(lambda: len(engine.running) == 3, "three requests in the engine")
-        handle._client.result().close()  # as the kernel does for a gateway process killed outright
+        handle._link._client.result().close()  # as the kernel does for a gateway process killed outright
         results = await asyncio.gather(*tasks)
         await async_wait_for(lambda: sorted(engine.aborted) == ["r0", "r1", "r2"], "the replica aborts all three")
         await async_wait_for(lambda: actor._channels == {}, "the replica forgets the channel")

@@ -24,8 +24,8 @@ from typing import Any
 
 from tandem_core.errors import ErrorKind, TandemError, request_timeout
 from tandem_core.protocol import DONE, EngineInfo, EngineStats, Item, ReplicaHealth
-from workers.transport.channel import END, Batch, Demux, items_of
-from workers.transport.socket_channel import ChannelClient
+from workers.transport.channel import END, Demux, items_of
+from workers.transport.links import Link, RayLink, SocketLink
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +50,7 @@ class ChannelReplicaHandle:
         self.channel_kind = channel
         self.channel_id = uuid.uuid4().hex
         self._demux: Demux | None = None
-        # socket: the open channel's connection, once connected (fails if it could not be opened)
-        self._client: asyncio.Future[ChannelClient] | None = None
+        self._link: Link | None = None  # the channel's transport (``links.py``), with the demux
         self._reader: asyncio.Task | None = None
         self.on_broken: Callable[[TandemError], None] | None = None
 
@@ -66,40 +65,18 @@ class ChannelReplicaHandle:
             return TandemError(ErrorKind.ENGINE_DEAD, "the connection to the replica serving this request was lost")
         return TandemError(ErrorKind.ENGINE_DEAD, "the replica serving this request failed")
 
-    def _channel(self) -> Demux:
+    def _channel(self) -> tuple[Demux, Link]:
         """The open channel; (re)opened when there is none or it broke (e.g. after a restart)."""
         if self._demux is None or self._demux.broken is not None:
             self._demux = Demux()
-            if self.channel_kind == "socket":
-                self._client = asyncio.get_running_loop().create_future()
-                batches = self._socket_batches(self._client)
-            else:
-                self._client = None
-                batches = self.stream("open_channel", self.channel_id)
-            self._reader = asyncio.create_task(self._read(self._demux, batches, self._client),
-                                               name=f"channel-{self.channel_id}")
-        return self._demux
+            self._link = (SocketLink(self.channel_id, self.lease_s, self) if self.channel_kind == "socket"
+                          else RayLink(self.channel_id, self))
+            self._reader = asyncio.create_task(self._read(self._demux, self._link), name=f"channel-{self.channel_id}")
+        return self._demux, self._link
 
-    async def _socket_batches(self, client: asyncio.Future) -> AsyncIterator[Batch]:
-        """The channel over TCP: where it listens comes from the actor (a Ray call), then batches
-        until either end closes the connection."""
-        conn = None
+    async def _read(self, demux: Demux, link: Link) -> None:
         try:
-            host, port, token = await self.call("open_socket", self.channel_id, self.lease_s)
-            conn = await ChannelClient.connect(host, port, token)
-            client.set_result(conn)
-            async for batch in conn.batches():
-                yield batch
-        except Exception as e:
-            _resolve(client, e)  # requests waiting to submit hear why
-            raise
-        finally:
-            if conn is not None:
-                conn.close()  # the replica aborts whatever was still running on it
-
-    async def _read(self, demux: Demux, batches: AsyncIterator[Batch], client: asyncio.Future | None) -> None:
-        try:
-            async for batch in batches:
+            async for batch in link.batches():
                 demux.feed(batch)
             err = TandemError(ErrorKind.ENGINE_DEAD, "the replica closed its channel")
         except asyncio.CancelledError:
@@ -109,8 +86,7 @@ class ChannelReplicaHandle:
             logger.warning("channel %s broke: %s: %s", self.channel_id, type(e).__name__, e)
             err = self._dead(e)
         finally:
-            if client is not None:  # cancelled, perhaps before it began: nobody waits for it forever
-                _resolve(client, ConnectionAbortedError("the channel was closed"))
+            link.close()  # cancelled, perhaps before it began: nobody waits for it forever
         demux.fail_all(err)
         if self.on_broken is not None and demux is self._demux:
             self.on_broken(err)
@@ -123,8 +99,8 @@ class ChannelReplicaHandle:
     def _stop_reading(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-        if self._client is not None:  # its reader may be cancelled before it ever ran
-            _resolve(self._client, ConnectionAbortedError("the channel was closed"))
+        if self._link is not None:  # its reader may be cancelled before it ever ran
+            self._link.close()
 
     def fail_in_flight(self, err: TandemError) -> None:
         """End every request on this replica now with ``err`` (it is stuck or gone)."""
@@ -152,58 +128,34 @@ class ChannelReplicaHandle:
                        timeout_at: float | None = None) -> AsyncIterator[Item]:
         """The request's items. Past ``timeout_at`` (loop time) it ends with a 504 error (an error
         event if it had begun streaming) and is aborted in the engine."""
-        demux = self._channel()
-        client = self._client
+        demux, link = self._channel()
         queue = demux.register(request_id)
-        finished = False
+        done = expired = False  # done: the engine is finished with it (no abort needed)
         timer = None
         if timeout_at is not None:
             def expire() -> None:
-                nonlocal finished
-                finished = None  # neither finished nor abandoned by the client: abort it there
+                nonlocal expired
+                expired = True  # neither finished nor abandoned by the client: abort it there
                 queue.put_nowait(request_timeout())
                 queue.put_nowait(END)
             timer = asyncio.get_running_loop().call_at(timeout_at, expire)
         try:
             try:
-                await self._submit(client, route, body, request_id)
+                await link.submit(route, body, request_id)
             except TandemError:
                 raise
             except Exception as e:  # noqa: BLE001
                 raise self._dead(e) from e
             async for item in items_of(queue):
-                if finished is not None and _is_last(item):
-                    finished = True  # the engine is done with it: closing now needs no abort
+                done = done or (not expired and _is_last(item))  # closing after it needs no abort
                 yield item
-            if finished is not None:
-                finished = True
+            done = not expired
         finally:
             if timer is not None:
                 timer.cancel()
             demux.unregister(request_id)
-            if not finished:  # the client went away, the stream failed or timed out: abort it there
-                self._abort_soon(client, request_id)
-
-    async def _submit(self, client: asyncio.Future | None, route: str, body: dict, request_id: str) -> None:
-        if client is None:  # the Ray channel
-            await self.call("submit", self.channel_id, route, body, request_id)
-        else:  # shielded: a request given up while the channel connects leaves it be
-            await (await asyncio.shield(client)).submit(route, body, request_id)
-
-    def _abort_soon(self, client: asyncio.Future | None, request_id: str) -> None:
-        if client is None:
-            asyncio.ensure_future(self._abort_quietly(request_id))
-        elif client.done() and not client.cancelled() and client.exception() is None:
-            conn = client.result()
-            if not conn.closed:  # closed: the replica aborted everything on it already
-                conn.abort(request_id)
-        # not connected yet: this request was never submitted
-
-    async def _abort_quietly(self, request_id: str) -> None:
-        try:
-            await self.call("abort", request_id)
-        except Exception:  # noqa: BLE001 - the replica may be gone; nothing to abort then
-            pass
+            if not done:  # the client went away, the stream failed or timed out: abort it there
+                link.abort_soon(request_id)
 
     async def abort(self, request_id: str) -> bool:
         return await self.call("abort", request_id)
@@ -318,13 +270,6 @@ class RayReplicaHandle(ChannelReplicaHandle):
             return super()._dead(exc)
         logger.error("replica call failed: %s: %s", type(exc).__name__, exc)
         return TandemError(ErrorKind.ENGINE_ERROR, "the replica failed on this request")
-
-
-def _resolve(client: asyncio.Future, exc: Exception) -> None:
-    """A socket channel that will not connect (any more): requests waiting to submit get ``exc``."""
-    if not client.done():
-        client.set_exception(exc)
-        client.exception()  # retrieved: no request may come to ask
 
 
 def _is_last(item: Item) -> bool:
