@@ -36,7 +36,8 @@ SAFETY_FRACTION = 0.8  # of the memory free at engine start (after the weights a
 # margin (exact: 3 in its in-place sampler, 4 with logprobs; measured 0.93 GiB peak growth at
 # the real shape, batch 1).
 VOCAB_UNITS = {"exact": 5, "fast": 4}
-PAGE_TOKENS = 128  # tokens per KV page (= attention.ATTN_BLOCK, the kernel's key block)
+PAGE_TOKENS = 128  # tokens per KV page (= attention.ATTN_BLOCK, the kernel's key block) and the prefix
+# cache's grain: each request recomputes the partial last page of a shared prompt (docs/benchmarks.md)
 # Device, fast mode: the share of the budget the KV page pool takes by default (engine_args
 # ``kv_cache_fraction`` overrides it), like vLLM's carve-out of gpu_memory_utilization. KV pages
 # are this share of a sequence's reservation at the released model's layout (bf16) with a ~4k

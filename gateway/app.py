@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import views
 from gateway.generate import generate, key_name_of, request_id_of, stored_response
+from gateway.intake import parse_json
 from gateway.metrics import now
 from gateway.openapi import request_body_schema
 from gateway.security import install_security
@@ -253,12 +254,25 @@ def build_app(service: Service) -> FastAPI:
 
     @route("models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [views.model_card(service.router, name) for name in service.router.pools]}
+        names = [*service.router.pools, *service.adapters.base]  # LoRA adapters after the bases, as vLLM lists them
+        return {"object": "list", "data": [views.model_card(service.router, name) for name in names]}
 
     @route("model")
     async def get_model(model_id: str) -> dict:
         service.router.pool(model_id)  # 404 in the envelope if unknown
         return views.model_card(service.router, model_id)
+
+    @route("load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = parse_json(await request.body(), cfg.limits.max_json_depth)
+        text = await service.adapters.load(service.router, body)
+        service.metrics.add_model(body["lora_name"])
+        return PlainTextResponse(text)
+
+    @route("unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = parse_json(await request.body(), cfg.limits.max_json_depth)
+        return PlainTextResponse(await service.adapters.unload(service.router, body))
 
     if service.config.metrics.port is None:
         @route("metrics")

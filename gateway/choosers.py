@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from gateway.prefix import BLOCK_CHARS, DEFAULT_INDEX_BLOCKS, PrefixIndex
@@ -121,3 +122,40 @@ class PrefixChooser:
         """Forget what any engine of ``replica_id`` held."""
         for key in [k for k in self._indexes if k[0] == replica_id]:
             del self._indexes[key]
+
+
+class AdapterAffinity:
+    """Which LoRA adapters each replica's engine holds in its adapter slots, as the gateway
+    routed them: an LRU of ``slots`` (vLLM's ``max_loras``) per replica engine, keyed by (replica
+    id, ``generation``). A request for an adapter goes to the least loaded replica holding it,
+    within the load bound; none: the caller's next policy (the adapter is loaded there: counted
+    in ``loads``)."""
+
+    def __init__(self, slots: int, load_factor: float = 1.25):
+        self.slots = max(1, slots)
+        self.load_factor = load_factor
+        self._held: dict[tuple[str, int], OrderedDict[str, None]] = {}
+        self.loads = 0  # requests sent where their adapter was not held (the engine loads it first)
+
+    def choose(self, candidates: list[Replica], healthy: list[Replica], cost: float, adapter: str) -> Replica | None:
+        ceiling = bound(self.load_factor, healthy, cost)
+        holding = [r for r in candidates if adapter in self._held.get((r.id, r.generation), ()) and
+                   load_of(r) <= ceiling]
+        return min(holding, key=score) if holding else None
+
+    def take(self, replica: Replica, adapter: str) -> None:
+        held = self._held.setdefault((replica.id, replica.generation), OrderedDict())
+        if adapter in held:
+            held.move_to_end(adapter)
+            return
+        self.loads += 1
+        held[adapter] = None
+        while len(held) > self.slots:
+            held.popitem(last=False)
+
+    def holds(self, replica: Replica) -> list[str]:
+        return list(self._held.get((replica.id, replica.generation), ()))
+
+    def drop(self, replica_id: str) -> None:
+        for key in [k for k in self._held if k[0] == replica_id]:
+            del self._held[key]

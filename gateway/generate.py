@@ -80,13 +80,14 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
     cost = request_cost(pool.kind, intake)
     key = intake.session_key
     prefix = pool.prefix_blocks(intake)
+    adapter = service.router.adapter(intake.model)
     if pin is None and route == "responses":
         pin = replica_of_response(service, body.get("previous_response_id"), pool.name)
     others = [r.id for r in pool.replicas if pin is not None and r is not pin]
     tried: list[str] = []
     while True:
         waited = now()
-        slot = await _acquire(pool, request, timeout_at, cost, key, tried + others, prefix)
+        slot = await _acquire(pool, request, timeout_at, cost, key, tried + others, prefix, adapter)
         metrics.queue_wait.labels(model).observe(now() - waited)
         metrics.in_flight.labels(model).inc()
         release = _releaser(pool, slot, metrics, model)
@@ -183,17 +184,17 @@ def _timeout_at(timeout_s: float | None) -> float | None:
 
 
 async def _acquire(pool: ModelPool, request: Request, timeout_at: float | None, cost: float, key: str | None,
-                   tried: list[str], prefix: tuple[int, ...] = ()) -> Slot:
+                   tried: list[str], prefix: tuple[int, ...] = (), adapter: str | None = None) -> Slot:
     """A slot, waiting in the queue no longer than the client's deadline header nor what is left
     of the request timeout (504 when that is what ran out)."""
     queue_deadline = _deadline(request)
     if timeout_at is None:
-        return await pool.acquire(queue_deadline, cost=cost, key=key, exclude=tried, prefix=prefix)
+        return await pool.acquire(queue_deadline, cost=cost, key=key, exclude=tried, prefix=prefix, adapter=adapter)
     left = max(0.0, timeout_at - asyncio.get_running_loop().time())
     if queue_deadline is not None and queue_deadline <= left:
-        return await pool.acquire(queue_deadline, cost=cost, key=key, exclude=tried, prefix=prefix)
+        return await pool.acquire(queue_deadline, cost=cost, key=key, exclude=tried, prefix=prefix, adapter=adapter)
     try:
-        return await pool.acquire(left, cost=cost, key=key, exclude=tried, prefix=prefix)
+        return await pool.acquire(left, cost=cost, key=key, exclude=tried, prefix=prefix, adapter=adapter)
     except TandemError as e:
         if e.kind is ErrorKind.QUEUE_TIMEOUT:
             raise request_timeout() from None

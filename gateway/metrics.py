@@ -170,6 +170,10 @@ class Metrics:
             multiprocess.MultiProcessCollector(self.exposition, path=path)
             self.exposition.register(self._engines)
 
+    def add_model(self, name: str) -> None:
+        """A model label from now on (a LoRA adapter loaded at run time; their number is bounded)."""
+        self.models.add(name)
+
     def model_label(self, model: object) -> str:
         return model if isinstance(model, str) and model in self.models else "other"
 

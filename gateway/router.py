@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from gateway.choosers import Affinity, PrefixChooser, p2c
+from gateway.choosers import AdapterAffinity, Affinity, PrefixChooser, p2c
 from gateway.intake import Intake
 from gateway.prefix import PrefixIndex
 from gateway.replicas import Effect, Move, Replica, ReplicaState
@@ -64,6 +64,7 @@ class _Waiter:
     key: str | None
     exclude: frozenset[str]
     prefix: Sequence[int] = ()
+    adapter: str | None = None
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -71,7 +72,7 @@ class ModelPool:
     def __init__(self, name: str, kind: str, replicas: list[Replica] | None = None,
                  max_in_flight: int | None = None, max_queue: int = 256, affinity_load_factor: float | None = None,
                  rng: random.Random | None = None, routing: str = "p2c", prefix_load_factor: float = 1.25,
-                 prefix_index_blocks: int | None = None):
+                 prefix_index_blocks: int | None = None, adapter_slots: int | None = None):
         self.name = name
         self.kind = kind
         self.replicas: list[Replica] = []
@@ -83,6 +84,8 @@ class ModelPool:
         self.routing = routing  # (the config allows prefix on a diffusion model only with its prefix cache)
         self.affinity = Affinity(affinity_load_factor) if affinity_load_factor is not None else None
         self.prefix = PrefixChooser(prefix_load_factor, prefix_index_blocks) if routing == "prefix" else None
+        # LoRA adapters served on this base: prefer replicas holding a request's adapter (None: none served)
+        self.adapters = AdapterAffinity(adapter_slots) if adapter_slots is not None else None
         self._waiters: deque[_Waiter] = deque()
         self._completions: deque[float] = deque()
         for r in replicas or ():
@@ -95,8 +98,8 @@ class ModelPool:
         replica.listeners.append(self._on_move)
 
     def _on_move(self, move: Move) -> None:
-        if Effect.DROP_CACHE in move.effects and self.prefix is not None:
-            self.prefix.drop(move.replica.id)
+        if Effect.DROP_CACHE in move.effects:
+            self._forget(move.replica.id)
         if Effect.FAIL_WAITERS in move.effects:
             self.fail_waiters_if_no_replica()
         if Effect.WAKE in move.effects:
@@ -118,8 +121,14 @@ class ModelPool:
         ``routing: prefix``, else () (nothing computed)."""
         return intake.prefix_blocks() if self.routing == "prefix" else ()
 
+    def _forget(self, replica_id: str) -> None:
+        """What described a replica's engine (its prefix index, its adapters) is gone."""
+        for chooser in (self.prefix, self.adapters):
+            if chooser is not None:
+                chooser.drop(replica_id)
+
     def _choose(self, cost: float, key: str | None, exclude: Iterable[str] = (),
-                prefix: Sequence[int] = ()) -> Replica | None:
+                prefix: Sequence[int] = (), adapter: str | None = None) -> Replica | None:
         """The replica for one more request now, or None if every healthy one is full.
         ``exclude`` (a retry's failed replica) is avoided when another one has room."""
         healthy = self.healthy()
@@ -128,6 +137,10 @@ class ModelPool:
         candidates = preferred or free
         if not candidates:
             return None
+        if adapter is not None and self.adapters is not None:
+            best = self.adapters.choose(candidates, healthy, cost, adapter)
+            if best is not None:
+                return best
         if prefix and self.prefix is not None:
             best = self.prefix.choose(candidates, healthy, cost, prefix)
             if best is not None:
@@ -142,8 +155,7 @@ class ModelPool:
             self.replicas.remove(replica)
         if self._on_move in replica.listeners:
             replica.listeners.remove(self._on_move)
-        if self.prefix is not None:
-            self.prefix.drop(replica.id)
+        self._forget(replica.id)
         self.fail_waiters_if_no_replica()
 
     def prefix_index(self, replica: Replica) -> PrefixIndex | None:
@@ -173,21 +185,23 @@ class ModelPool:
                            retry_after=max(1, min(60, math.ceil(wait))))
 
     async def acquire(self, deadline_s: float | None = None, cost: float = 1.0, key: str | None = None,
-                      exclude: Iterable[str] = (), prefix: Sequence[int] = ()) -> Slot:
+                      exclude: Iterable[str] = (), prefix: Sequence[int] = (), adapter: str | None = None) -> Slot:
         """A slot on a replica, counted there until ``release``. ``prefix``: the prompt's block
         hashes (``prefix_blocks``) under ``routing: prefix``. Raises 503 (no live replica), 429
         (queue full) or 408 (waited past ``deadline_s``)."""
         exclude = frozenset(exclude)
         if not self._waiters:  # FIFO: nobody may overtake a waiter
-            replica = self._choose(cost, key, exclude, prefix)
+            replica = self._choose(cost, key, exclude, prefix, adapter)
             if replica is not None:
-                return self._take(replica, cost, prefix)
+                return self._take(replica, cost, prefix, adapter)
         self._no_live_replica()
         if len(self._waiters) >= self.max_queue:
             raise self._overloaded()
-        return await self._wait(_Waiter(cost, key, exclude, prefix), deadline_s)
+        return await self._wait(_Waiter(cost, key, exclude, prefix, adapter), deadline_s)
 
-    def _take(self, replica: Replica, cost: float, prefix: Sequence[int] = ()) -> Slot:
+    def _take(self, replica: Replica, cost: float, prefix: Sequence[int] = (), adapter: str | None = None) -> Slot:
+        if adapter is not None and self.adapters is not None:
+            self.adapters.take(replica, adapter)
         if prefix and self.prefix is not None:
             cost = self.prefix.take(replica, cost, prefix)  # the engine will hold this prompt now
         replica.outstanding += 1
@@ -229,11 +243,11 @@ class ModelPool:
             if waiter.future.done():  # cancelled or timed out; its own cleanup removes it
                 self._waiters.popleft()
                 continue
-            target = self._choose(waiter.cost, waiter.key, waiter.exclude, waiter.prefix)
+            target = self._choose(waiter.cost, waiter.key, waiter.exclude, waiter.prefix, waiter.adapter)
             if target is None:
                 return
             self._waiters.popleft()
-            waiter.future.set_result(self._take(target, waiter.cost, waiter.prefix))
+            waiter.future.set_result(self._take(target, waiter.cost, waiter.prefix, waiter.adapter))
 
     def fail_waiters_if_no_replica(self) -> None:
         """The model lost its last healthy replica: queued requests get the 503 a new one would
@@ -247,20 +261,28 @@ class ModelPool:
 
 
 class Router:
-    def __init__(self, pools: list[ModelPool]):
+    def __init__(self, pools: list[ModelPool], adapters=None):
         self.pools = {p.name: p for p in pools}
+        self.adapters = adapters  # ``gateway.adapters.Adapters``: a LoRA adapter's name is served by its base
 
     def pool(self, model: object) -> ModelPool:
+        """The pool serving ``model``: a model's own, or a LoRA adapter's base's."""
         if not isinstance(model, str) or not model:
             raise TandemError(ErrorKind.INVALID_REQUEST, "model: a model name (string) is required", "model")
-        pool = self.pools.get(model)
+        base = self.adapters.base_of(model) if self.adapters is not None else None
+        pool = self.pools.get(base or model)
         if pool is None:
+            names = sorted([*self.pools, *(self.adapters.base if self.adapters is not None else ())])
             raise TandemError(
                 ErrorKind.MODEL_NOT_FOUND,
-                f"The model `{model}` does not exist. Valid aliases: {', '.join(sorted(self.pools))}.",  # vLLM's words
+                f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.",  # vLLM's words
                 "model",
             )
         return pool
+
+    def adapter(self, model: object) -> str | None:
+        """``model`` when it names a LoRA adapter, else None."""
+        return model if self.adapters is not None and self.adapters.base_of(model) else None
 
     def ready(self) -> bool:
         return all(p.healthy() for p in self.pools.values())

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from gateway.adapters import Adapters
 from gateway.metrics import Metrics
 from gateway.router import ModelPool, Router
 from gateway.supervisor import Deployment, Supervisor
@@ -33,18 +34,21 @@ class Service:
         self.config = config
         self.deployment = deployment
         self.ready_before_serving = ready_before_serving
+        self.adapters = Adapters(config)  # LoRA adapters on the autoregressive bases
         self.router = Router([
             ModelPool(m.name, m.kind.value, max_in_flight=m.max_in_flight_per_replica,
                       max_queue=config.gateway.max_queue,
                       affinity_load_factor=m.session_affinity.load_factor if m.session_affinity.enabled else None,
-                      routing=m.routing)
-            for m in config.models])
+                      routing=m.routing,
+                      adapter_slots=int(m.engine_args.get("max_loras", 1)) if m.lora_enabled else None)
+            for m in config.models], self.adapters)
         self.draining = False
         self.fatal: str | None = None  # why the service stopped at start (a replica's configuration)
         self.started_at = time.monotonic()
-        self.metrics = Metrics([m.name for m in config.models])
+        self.metrics = Metrics([m.name for m in config.models] + list(self.adapters.base))
         self.supervisor = Supervisor(config, deployment, self.router, self.metrics)
         self.supervisor.on_fatal = self._fatal
+        self.supervisor.on_engine_started = self.adapters.on_started
         self.stop_serving: Callable[[], None] | None = None  # set by whoever runs the service
         self._metrics_server = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the one the service runs in

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Protocol
 
@@ -82,6 +82,8 @@ class Supervisor:
         # every model has served (``tandem serve`` then exits 2); ``_served``: they have.
         self.on_fatal: Callable[[str], None] | None = None
         self._served = False
+        # Awaited when a replica's engine has (re)started, before it serves (LoRA adapters loaded at run time).
+        self.on_engine_started: Callable[[Replica], Awaitable[None]] | None = None
 
     @property
     def attached(self) -> bool:
@@ -168,6 +170,10 @@ class Supervisor:
         if replica.state is ReplicaState.DRAINING:  # removed while it came up (the remover cancels us too)
             return
         replica.info = task.result()
+        if self.on_engine_started is not None:
+            await self.on_engine_started(replica)
+            if replica.state is ReplicaState.DRAINING:  # removed meanwhile
+                return
         replica.incarnation, replica.consecutive_failures = None, 0
         replica.progress, replica.progress_since = -1, time.monotonic()
         replica.move_to(ReplicaState.HEALTHY)  # served from now on (Effect.WAKE)

@@ -31,6 +31,8 @@ def scaling(router: Router) -> dict[str, dict[str, int]]:
 
 
 def model_card(router: Router, name: str) -> dict:
+    if name not in router.pools and router.adapters is not None and router.adapters.base_of(name):
+        return router.adapters.card(name)
     pool = router.pools[name]
     info = next((r.info for r in pool.replicas if r.info is not None), None)
     return {

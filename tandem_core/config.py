@@ -196,6 +196,12 @@ class ModelConfig(_Strict):
         "(overrides limits.max_tokens_ceiling).")
     max_restarts: int = Field(-1, ge=-1, description="How often Ray restarts a replica's actor that died or was "
                               "killed for being stuck (-1: always).")
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict, description="Autoregressive models: LoRA adapters served on this base, name -> path "
+        "(a local PEFT directory, a Hugging Face id, or `builtin:<name>`), as `vllm serve --enable-lora "
+        "--lora-modules name=path`; clients pick one by `model`. vLLM's LoRA engine args (max_loras, "
+        "max_lora_rank, max_cpu_loras) go in engine_args. With none here, `enable_lora: true` in engine_args "
+        "still allows adapters loaded at run time (POST /v1/load_lora_adapter).")
 
     @model_validator(mode="before")
     @classmethod
@@ -228,6 +234,22 @@ class ModelConfig(_Strict):
             raise ValueError("routing: `prefix` routes by what a replica's prefix cache holds; a diffusion model has "
                              "one with engine_args sampler: fast (and prefix_cache not false; else use `p2c`)")
         return self
+
+    @model_validator(mode="after")
+    def _lora_is_autoregressive(self) -> ModelConfig:
+        if self.lora_modules and self.kind is not ModelKind.AUTOREGRESSIVE:
+            raise ValueError("lora_modules: a diffusion model takes no LoRA adapters (tandem's batcher runs its "
+                             "base weights only); serve adapters on an autoregressive model")
+        bad = sorted(n for n in self.lora_modules if not n or n != n.strip() or n == self.name)
+        if bad:
+            raise ValueError(f"lora_modules: adapter names must be non-empty, unpadded and not the base's name: {bad}")
+        return self
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Adapters may be served on this model (configured ones, or loaded at run time)."""
+        return self.kind is ModelKind.AUTOREGRESSIVE and (bool(self.lora_modules)
+                                                          or self.engine_args.get("enable_lora") is True)
 
     @field_validator("name")
     @classmethod
@@ -306,6 +328,10 @@ class TandemConfig(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
+        adapters = [a for m in models for a in m.lora_modules]
+        clash = sorted({a for a in adapters if adapters.count(a) > 1 or a in names})
+        if clash:
+            raise ValueError(f"a LoRA adapter's name must name no model nor another adapter: {', '.join(clash)}")
         return models
 
     def model(self, name: str) -> ModelConfig | None:

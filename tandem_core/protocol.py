@@ -81,6 +81,11 @@ ROUTE_TABLE: tuple[RouteSpec, ...] = (
     RouteSpec("reset_prefix_cache", "POST", "/reset_prefix_cache", doc="vLLM's route (its dev mode): each live "
               "replica (of `model`, else of every model) drops the cached prompt pages no request holds. "
               "`{\"success\": false}` while running requests still hold cached pages, as vLLM answers: retry."),
+    RouteSpec("load_lora_adapter", "POST", "/v1/load_lora_adapter", doc="vLLM's route: load a LoRA adapter "
+              "(`lora_name`, `lora_path`; tandem: `model` names the base when several serve adapters) onto every "
+              "replica of its base model, and onto replicas that start later or restart."),
+    RouteSpec("unload_lora_adapter", "POST", "/v1/unload_lora_adapter", doc="vLLM's route: unload a LoRA adapter "
+              "(`lora_name`) from every replica of its base model."),
     RouteSpec("health", "GET", "/health", doc="Liveness: the gateway process answers."),
     RouteSpec("ready", "GET", "/ready", doc="Readiness: every model has a healthy replica (503 otherwise, and "
               "while draining)."),
@@ -185,6 +190,10 @@ class Engine(Protocol):
     async def shutdown(self) -> None:
         """Release the model and every process the engine started."""
 
+    # Optional: ``async def lora(op, body) -> str`` ("load": vLLM's LoadLoRAAdapterRequest body,
+    # "unload": its UnloadLoRAAdapterRequest body), vLLM's answer text or a TandemError; an engine
+    # without it takes no adapters.
+
 
 class ReplicaHandle(Protocol):
     """How the gateway reaches one replica (``workers/transport/handles.py`` implements it).
@@ -200,6 +209,7 @@ class ReplicaHandle(Protocol):
     async def health(self) -> ReplicaHealth: ...
     async def stats(self) -> EngineStats: ...
     async def reset_prefix_cache(self) -> bool: ...
+    async def lora(self, op: str, body: dict) -> str: ...
     async def start(self) -> EngineInfo: ...
     async def restart(self, kill: bool) -> EngineInfo: ...
     def fail_in_flight(self, err: TandemError) -> None: ...

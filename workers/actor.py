@@ -188,6 +188,13 @@ class EngineActor:
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()
 
+    async def lora(self, op: str, body: dict) -> str:
+        """Load or unload a LoRA adapter in the engine (``tandem_core.protocol.Engine``)."""
+        if not callable(getattr(self.engine, "lora", None)):
+            raise TandemError(ErrorKind.INVALID_REQUEST, f"model {self.cfg.name!r} (kind: {self.cfg.kind.value}) "
+                              "takes no LoRA adapters", "model")
+        return await self.engine.lora(op, body)
+
     async def shutdown(self) -> None:
         if self._socket_server is not None:
             self._socket_server.close()

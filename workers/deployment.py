@@ -8,7 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-from tandem_core.config import ModelConfig, TandemConfig
+from tandem_core.config import BUILTIN_PREFIX, ModelConfig, TandemConfig
 from tandem_core.errors import ErrorKind, TandemError
 from tandem_core.protocol import EngineInfo, ReplicaHealth, Role
 from workers.transport.handles import RayReplicaHandle
@@ -25,6 +25,23 @@ def resolve_source(model: ModelConfig, models_dir: Path) -> str:
     from workers import tiny_models
 
     return str(tiny_models.build(model.builtin_name(), models_dir))
+
+
+def resolve_path(source: str, models_dir: Path) -> str:
+    """``builtin:<name>`` becomes its built directory (built now if missing); others pass as-is."""
+    if not source.startswith(BUILTIN_PREFIX):
+        return source
+    from workers import tiny_models
+
+    return str(tiny_models.build(source[len(BUILTIN_PREFIX):], models_dir))
+
+
+def with_resolved_adapters(model: ModelConfig, models_dir: Path) -> ModelConfig:
+    """``model`` with its LoRA adapters' built-in paths resolved (what its replicas load)."""
+    if not model.lora_modules:
+        return model
+    return model.model_copy(update={"lora_modules": {n: resolve_path(p, models_dir)
+                                                     for n, p in model.lora_modules.items()}})
 
 
 def local_ray_cpus(config: TandemConfig) -> int:
@@ -68,7 +85,7 @@ class RayDeployment:
                 logger.info("starting a local Ray (%d CPUs)", cpus)
                 # Ray starts its workers at nice 15 (ours: the replica actors, so vLLM's EngineCore
                 # and worker too); under load their output stalled behind the gateway's process
-                # (p99 gap between engine outputs 72 ms vs 3.3 ms for `vllm serve`). The raylet
+                # (the p99 gap between engine outputs: docs/benchmarks.md). The raylet
                 # reads this when it starts; on a cluster, set it for `ray start` (deploy/).
                 os.environ.setdefault("RAY_worker_niceness", "0")
                 # address="local": always a Ray of its own, never one another program started on this host
@@ -125,6 +142,7 @@ class RayDeployment:
         from workers.actor import EngineActor
 
         source = resolve_source(model, self.config.models_dir)
+        model = with_resolved_adapters(model, self.config.models_dir)
         rid = f"{model.name}/{index}"
         # SPREAD: replicas of a model go to different nodes when the cluster has room.
         # max_restarts: Ray brings a dead actor back (the gateway starts its engine again);

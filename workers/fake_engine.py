@@ -27,9 +27,15 @@ from workers.transport.handles import LocalReplicaHandle
 
 
 class FakeEngine:
-    def __init__(self, model: str, engine_args: dict[str, Any] | None = None):
+    def __init__(self, model: str, engine_args: dict[str, Any] | None = None,
+                 lora_modules: dict[str, str] | None = None):
         args = dict(engine_args or {})
         self.model = model
+        # LoRA adapters it serves (name -> path): configured ones, then loaded at run time; a
+        # request for one answers with its name before each token ("<name>:tok0").
+        self.loras: dict[str, str] = dict(lora_modules or {})
+        self.lora_enabled = bool(self.loras) or args.get("enable_lora") is True
+        self.lora_requests: dict[str, int] = {}
         self.num_tokens: int = args.get("num_tokens", 4)
         self.token_delay_s: float = args.get("token_delay_s", 0.0)
         self.fail: str | None = args.get("fail")
@@ -150,6 +156,12 @@ class FakeEngine:
         yield {"prompt": "".join(chr(t) for t in tokens)}
 
     async def _generate(self, body: dict, rid: str, prompt: str, chat: bool) -> AsyncIterator[Item]:
+        adapter = body.get("model") if body.get("model") != self.model else None
+        if adapter is not None and adapter not in self.loras:  # as vLLM's serving layer answers
+            yield TandemError(ErrorKind.MODEL_NOT_FOUND, f"The model `{adapter}` does not exist.", "model")
+            return
+        if adapter is not None:
+            self.lora_requests[adapter] = self.lora_requests.get(adapter, 0) + 1
         n_prompt = len(prompt.split())
         if n_prompt > self.max_model_len:
             yield TandemError(ErrorKind.CONTEXT_TOO_LONG, "prompt too long", "messages" if chat else "prompt")
@@ -165,7 +177,7 @@ class FakeEngine:
         try:
             if self.fail == "request":
                 raise RuntimeError("fake engine told to fail")
-            words = [f"tok{i}" for i in range(n)]
+            words = [f"{adapter}:tok{i}" if adapter else f"tok{i}" for i in range(n)]
             if body.get("stream"):
                 async for _, w in self._paced(words):
                     yield _chunk(rid, self.model, chat, w + " ", None)
@@ -201,6 +213,23 @@ class FakeEngine:
         self.prefix_resets = getattr(self, "prefix_resets", 0) + 1
         return True
 
+    async def lora(self, op: str, body: dict) -> str:
+        """vLLM's answers to /v1/load_lora_adapter and /v1/unload_lora_adapter, in miniature."""
+        if not self.lora_enabled:
+            raise invalid(f"model {self.model!r} was not started with LoRA support", param="model")
+        await self._step(token=False)
+        name = body.get("lora_name")
+        if op == "load":
+            if name in self.loras and not body.get("load_inplace"):
+                raise invalid(f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
+                              "in place, set 'load_inplace' to True.")
+            self.loras[name] = body.get("lora_path")
+            return f"Success: LoRA adapter '{name}' added successfully."
+        if name not in self.loras:
+            raise TandemError(ErrorKind.NOT_FOUND, f"The lora adapter '{name}' cannot be found.")
+        del self.loras[name]
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
     async def shutdown(self) -> None:
         self.running.clear()
 
@@ -223,7 +252,7 @@ async def _one(item: Item) -> AsyncIterator[Item]:
 
 def create_engine(cfg, source_path: str) -> FakeEngine:
     """The ``fake`` entry in ``workers.registry``."""
-    return FakeEngine(cfg.name, cfg.engine_args)
+    return FakeEngine(cfg.name, cfg.engine_args, cfg.lora_modules)
 
 
 class FakeDeployment:
@@ -240,7 +269,8 @@ class FakeDeployment:
 
     def create_replica(self, model, index: int) -> tuple[str, LocalReplicaHandle]:
         def make(rid: str) -> EngineActor:  # also how a "restarted" replica gets a fresh engine
-            engine = FakeEngine(model.name, self.engine_args if self.engine_args is not None else model.engine_args)
+            engine = FakeEngine(model.name, self.engine_args if self.engine_args is not None else model.engine_args,
+                                model.lora_modules)
             self.engines[rid] = engine
             return EngineActor(model.model_dump(mode="json"), model.source, rid, engine=engine)
 

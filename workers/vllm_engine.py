@@ -25,8 +25,10 @@ MAX_LISTED_ERRORS = 8
 _CONTEXT_MARKERS = ("maximum context length", "context length", "max_model_len", "too long")
 
 
-def build_vllm_args(model: str, source: str, engine_args: dict[str, Any]) -> argparse.Namespace:
-    """vLLM's own `serve` defaults, with ``engine_args`` applied on top unchanged.
+def build_vllm_args(model: str, source: str, engine_args: dict[str, Any],
+                    lora_modules: dict[str, str] | None = None) -> argparse.Namespace:
+    """vLLM's own `serve` defaults, with ``engine_args`` applied on top unchanged;
+    ``lora_modules`` (name -> path) as ``--enable-lora --lora-modules name=path ...``.
 
     Raises ValueError naming the first key vLLM does not know.
     """
@@ -34,7 +36,10 @@ def build_vllm_args(model: str, source: str, engine_args: dict[str, Any]) -> arg
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser(prog="tandem-vllm"))
-    args = parser.parse_args(["--model", source, "--served-model-name", model])
+    argv = ["--model", source, "--served-model-name", model]
+    if lora_modules:
+        argv += ["--enable-lora", "--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
+    args = parser.parse_args(argv)
     for key, value in engine_args.items():
         if not hasattr(args, key):
             raise ValueError(f"engine_args.{key}: not a vLLM engine or serving argument")
@@ -162,8 +167,10 @@ class _Totals:
 class VllmEngine:
     """Implements ``tandem_core.protocol.Engine`` with vLLM."""
 
-    def __init__(self, model: str, source: str, engine_args: dict[str, Any], avoid_worker_cores: bool = True):
+    def __init__(self, model: str, source: str, engine_args: dict[str, Any], avoid_worker_cores: bool = True,
+                 lora_modules: dict[str, str] | None = None):
         self.model = model
+        self.lora_modules = dict(lora_modules or {})  # name -> a local path (built-in ones resolved)
         self.avoid_worker_cores = avoid_worker_cores
         self.source = source
         self.engine_args = dict(engine_args)
@@ -181,7 +188,7 @@ class VllmEngine:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = build_vllm_args(self.model, self.source, self.engine_args)
+        args = build_vllm_args(self.model, self.source, self.engine_args, self.lora_modules)
         try:
             eargs = AsyncEngineArgs.from_cli_args(args)
             vllm_config = eargs.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
@@ -346,6 +353,28 @@ class VllmEngine:
             return True
         return bool(await self._llm.reset_prefix_cache())
 
+    async def lora(self, op: str, body: dict) -> str:
+        """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, through its serving object."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+        if self._state is None:
+            raise TandemError(ErrorKind.ENGINE_ERROR, "the engine is not started")
+        if self._llm.vllm_config.lora_config is None:  # as vLLM's engine would refuse it, in one line
+            raise invalid(f"model {self.model!r} was not started with LoRA support: set lora_modules, or "
+                          "engine_args enable_lora: true", param="model")
+        models = self._state.openai_serving_models
+        try:
+            if op == "load":
+                result = await models.load_lora_adapter(LoadLoRAAdapterRequest.model_validate(body))
+            else:
+                result = await models.unload_lora_adapter(UnloadLoRAAdapterRequest.model_validate(body))
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        if isinstance(result, ErrorResponse):
+            raise _from_vllm_error(result)
+        return result
+
     async def stats(self) -> EngineStats:
         if self._llm is None:
             return EngineStats(running=0)
@@ -362,4 +391,4 @@ class VllmEngine:
 
 def create_engine(cfg, source_path: str) -> VllmEngine:
     """The ``autoregressive`` entry in ``workers.registry``."""
-    return VllmEngine(cfg.name, source_path, cfg.engine_args)
+    return VllmEngine(cfg.name, source_path, cfg.engine_args, lora_modules=cfg.lora_modules)

@@ -3,6 +3,7 @@ built-in model shares, trained deterministically on the corpus shipped in ``work
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -88,3 +89,32 @@ def build_tiny_llama(out: Path, seed: int = 0) -> None:
     GenerationConfig(
         bos_token_id=ids["<s>"], eos_token_id=[ids["<|im_end|>"], ids["</s>"]], pad_token_id=ids["<pad>"]
     ).save_pretrained(out)
+
+
+# tiny-llama's linear layers (module name -> (in, out)), the targets of its built-in LoRA adapter.
+LLAMA_LINEARS = {"self_attn.q_proj": (128, 128), "self_attn.k_proj": (128, 64), "self_attn.v_proj": (128, 64),
+                 "self_attn.o_proj": (128, 128), "mlp.gate_proj": (128, 256), "mlp.up_proj": (128, 256),
+                 "mlp.down_proj": (256, 128)}
+LORA_RANK, LORA_ALPHA = 8, 16
+
+
+def build_tiny_llama_lora(out: Path, seed: int = 1) -> None:
+    """A random, deterministic LoRA adapter for ``tiny-llama`` in PEFT's format (what
+    ``vllm serve --lora-modules`` and ``/v1/load_lora_adapter`` read): rank 8 on every linear
+    layer of both decoder layers, large enough that its greedy answers differ from the base's."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(2):
+        for name, (fan_in, fan_out) in LLAMA_LINEARS.items():
+            key = f"base_model.model.model.layers.{layer}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(LORA_RANK, fan_in, generator=gen) * 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, LORA_RANK, generator=gen) * 0.5
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": LORA_ALPHA,
+              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+              "target_modules": sorted({n.split(".")[-1] for n in LLAMA_LINEARS}),
+              "base_model_name_or_path": "tiny-llama", "inference_mode": True}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))

@@ -169,6 +169,9 @@ class ChannelReplicaHandle:
     async def reset_prefix_cache(self) -> bool:
         return await self.call("reset_prefix_cache")
 
+    async def lora(self, op: str, body: dict) -> str:
+        return await self.call("lora", op, body)
+
     async def shutdown(self) -> None:
         self._stop_reading()
         await self.call("shutdown")

@@ -4,9 +4,9 @@ Ray still places, starts, health-checks and restarts a replica, and tells a gate
 where its channel listens: ``EngineActor.open_socket`` (a Ray call) answers (host, port, token).
 Only the channel's traffic takes the socket: ``submit`` and ``abort`` in, batches of items out
 (``channel.py``'s ``Outbox`` and ``Demux`` on either end, as over Ray). Why: a Ray actor call
-is ~1.25 ms round trip and a streamed item ~0.8 ms one way on this box, a socket ~0.1 ms
-(``tandem_tools.transport_bench``); the gateway's CPU per 1,000 streamed tokens fell from 557
-to 129 ms at c=1 against the Ray channel, the first token from 9.5 to 7.5 ms (docs/benchmarks.md).
+and a streamed Ray item cost an order of magnitude more than a socket's round trip
+(``tandem_tools.transport_bench``), and so did the gateway's CPU per streamed token (the
+figures: docs/benchmarks.md).
 
 Frames: a 4-byte big-endian length, then a pickle (protocol 5). **Authentication comes before
 any unpickling**: a client's first frame is the channel's token itself, raw bytes; the server
