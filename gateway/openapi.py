@@ -114,7 +114,29 @@ def _other_schema(route: str, models: list[str], max_tokens: dict) -> dict:
                  "add_special_tokens": {"type": "boolean"}}
         return {"type": "object", "required": ["model"], "properties": props,
                 "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
-    else:  # detokenize
+    elif route == "detokenize":
         props = {"model": model, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}
         required = ["model", "tokens"]
+    elif route in ("embeddings", "pooling", "classify"):
+        ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+        props = {"model": model, "input": {"anyOf": [
+            {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1},
+                                                 "minItems": 1}, ids, {"type": "array", "items": ids, "minItems": 1}]},
+            "user": {"type": "string", "maxLength": 256}}
+        if route == "embeddings":
+            props.update(encoding_format={"enum": ["float", "base64"]},
+                         dimensions={"type": ["integer", "null"], "minimum": 1})
+        required = ["model", "input"]
+    elif route in ("score", "score_v1"):
+        text = {"anyOf": [{"type": "string", "minLength": 1},
+                          {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}]}
+        props = {"model": model, "text_1": text, "text_2": text}
+        required = ["model", "text_1", "text_2"]
+    elif route in ("rerank", "rerank_v1"):
+        props = {"model": model, "query": {"type": "string", "minLength": 1},
+                 "documents": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+                 "top_n": {"type": "integer", "minimum": 0}}
+        required = ["model", "query", "documents"]
+    else:
+        raise ValueError(f"no request schema for route {route!r}")
     return {"type": "object", "required": required, "properties": props}

@@ -70,6 +70,17 @@ ROUTE_TABLE: tuple[RouteSpec, ...] = (
     RouteSpec("tokenize", "POST", "/tokenize", engine=True,
               doc="The token ids of a prompt, or of chat messages under the model's chat template."),
     RouteSpec("detokenize", "POST", "/detokenize", engine=True, doc="The text of token ids."),
+    # vLLM's pooling routes (an embedding, classification or scoring model: vLLM's pooling runner)
+    RouteSpec("embeddings", "POST", "/v1/embeddings", engine=True,
+              doc="Embeddings (OpenAI's API): `input` a string, strings, token ids or lists of them; "
+                  "`encoding_format` float or base64; `dimensions` on models that allow it."),
+    RouteSpec("pooling", "POST", "/pooling", engine=True, doc="vLLM's raw pooling output of a pooling model."),
+    RouteSpec("classify", "POST", "/classify", engine=True, doc="vLLM's classification route (a "
+              "classification model)."),
+    RouteSpec("score", "POST", "/score", engine=True, doc="vLLM's score route: the similarity of text pairs."),
+    RouteSpec("score_v1", "POST", "/v1/score", engine=True, doc="vLLM's score route, under /v1."),
+    RouteSpec("rerank", "POST", "/rerank", engine=True, doc="vLLM's rerank route (Jina and Cohere's API)."),
+    RouteSpec("rerank_v1", "POST", "/v1/rerank", engine=True, doc="vLLM's rerank route, under /v1."),
     RouteSpec("version", "GET", "/version", doc="The vLLM version serving autoregressive models (as `vllm serve` "
               "answers)."),
     RouteSpec("models", "GET", "/v1/models", doc="The served models (and their replicas' limits)."),
@@ -132,8 +143,10 @@ class EngineInfo:
 
 
 def served_routes(engine: object) -> tuple[str, ...]:
-    """The routes ``engine`` serves: those it has a method for."""
-    return tuple(r for r in ROUTES if callable(getattr(engine, r, None)))
+    """The routes ``engine`` serves: those it has a method for, and, once started, that its
+    model supports (``engine.routes_served``: a generative model serves no embeddings)."""
+    supported = getattr(engine, "routes_served", None)
+    return tuple(r for r in ROUTES if callable(getattr(engine, r, None)) and (supported is None or r in supported))
 
 
 def route_name(route: str) -> str:

@@ -84,7 +84,7 @@ def engine_config_problem(config) -> str | None:
     from tandem_core.config import ModelKind
     from tandem_core.errors import EngineConfigError
     from workers.deployment import resolve_source
-    from workers.vllm_engine import check_engine_args
+    from workers.vllm_support import check_engine_args
 
     for m in config.models:
         if m.kind is not ModelKind.AUTOREGRESSIVE:

@@ -3,7 +3,7 @@
 They generate nonsense. They exist so that the whole system (vLLM in a Ray actor, the diffusion
 batcher, the gateway, the tests, the benchmarks) runs on any machine, offline. Everything is built
 deterministically from a fixed seed. The builders, in one place: ``llama`` (``tiny-llama``, its
-LoRA adapter ``tiny-llama-lora``, and the shared tokenizer) and ``diffusiongemma``
+LoRA adapter ``tiny-llama-lora``, the embedding model ``tiny-embed``, and the shared tokenizer) and ``diffusiongemma``
 (``tiny-diffusiongemma``, and ``shape-diffusiongemma``: DiffusionGemma's real canvas and
 vocabulary on a tiny trunk). A model config names one as
 ``source: builtin:<name>``.
@@ -21,7 +21,7 @@ from workers.tiny_models.diffusiongemma import (
     build_shape_diffusiongemma_deep,
     build_tiny_diffusiongemma,
 )
-from workers.tiny_models.llama import build_tiny_llama, build_tiny_llama_lora
+from workers.tiny_models.llama import build_tiny_embed, build_tiny_llama, build_tiny_llama_lora
 
 logger = logging.getLogger(__name__)
 
@@ -29,20 +29,21 @@ DEFAULT_DIR = Path(__file__).resolve().parent.parent.parent / "models"
 BUILD_VERSION = 2  # bump when the recipe changes, so stale builds are rebuilt (per model: VERSIONS)
 TINY_LLAMA = "tiny-llama"
 TINY_LLAMA_LORA = "tiny-llama-lora"  # a LoRA adapter of tiny-llama (PEFT's format)
+TINY_EMBED = "tiny-embed"  # an embedding model (vLLM's pooling runner)
 TINY_DIFFUSIONGEMMA = "tiny-diffusiongemma"
 # DiffusionGemma's real canvas (256) and vocabulary (262,144) on a tiny trunk: ~170 MB, built in
 # seconds; for benchmarks and tests/gpu (``diffusiongemma`` says why).
 SHAPE_DIFFUSIONGEMMA = "shape-diffusiongemma"
 # The same on a trunk of 8 layers 1,024 wide, where prompt work matters (the prefix-cache benchmark).
 SHAPE_DIFFUSIONGEMMA_DEEP = "shape-diffusiongemma-deep"
-BUILDERS = {TINY_LLAMA: build_tiny_llama, TINY_LLAMA_LORA: build_tiny_llama_lora,
+BUILDERS = {TINY_LLAMA: build_tiny_llama, TINY_LLAMA_LORA: build_tiny_llama_lora, TINY_EMBED: build_tiny_embed,
             TINY_DIFFUSIONGEMMA: build_tiny_diffusiongemma,
             SHAPE_DIFFUSIONGEMMA: build_shape_diffusiongemma,
             SHAPE_DIFFUSIONGEMMA_DEEP: build_shape_diffusiongemma_deep}
 # A model's own recipe version, so that a new or changed model does not rebuild the others.
 # 4, 3: Gemma 4's chat format and markers (special tokens) in the tokenizer; <turn|> is the EOS.
-VERSIONS = {TINY_LLAMA: BUILD_VERSION, TINY_LLAMA_LORA: 1, TINY_DIFFUSIONGEMMA: 4, SHAPE_DIFFUSIONGEMMA: 3,
-            SHAPE_DIFFUSIONGEMMA_DEEP: 1}
+VERSIONS = {TINY_LLAMA: BUILD_VERSION, TINY_LLAMA_LORA: 1, TINY_EMBED: 3, TINY_DIFFUSIONGEMMA: 4,
+            SHAPE_DIFFUSIONGEMMA: 3, SHAPE_DIFFUSIONGEMMA_DEEP: 1}
 
 
 # The libraries whose versions can change a build's bytes (the tokenizer is trained, the weights

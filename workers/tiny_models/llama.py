@@ -118,3 +118,26 @@ def build_tiny_llama_lora(out: Path, seed: int = 1) -> None:
               "target_modules": sorted({n.split(".")[-1] for n in LLAMA_LINEARS}),
               "base_model_name_or_path": "tiny-llama", "inference_mode": True}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
+def build_tiny_embed(out: Path, seed: int = 2) -> None:
+    """``tiny-embed``: tiny-llama's shape as a ``LlamaModel`` (no LM head), which vLLM serves as an
+    embedding model (its pooling runner; the shared tokenizer)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaModel
+
+    vocab = build_tokenizer(out)
+    ids = {t: SPECIAL_TOKENS.index(t) for t in SPECIAL_TOKENS}
+    config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
+                         initializer_range=0.5, bos_token_id=ids["<s>"], eos_token_id=ids["<|im_end|>"],
+                         pad_token_id=ids["<pad>"], dtype="float32")
+    config.architectures = ["LlamaModel"]
+    config.is_matryoshka = True  # `dimensions` truncates its vectors (vLLM reads this from the config)
+    torch.manual_seed(seed)
+    # vLLM loads a LlamaModel checkpoint into its LlamaForCausalLM (pooling runner): the weights under
+    # ``model.`` as a causal LM's (``save_pretrained`` of a bare LlamaModel writes them without it).
+    weights = {f"model.{k}": v.contiguous() for k, v in LlamaModel(config).state_dict().items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)
