@@ -1,9 +1,11 @@
 """LoRA adapters on tiny-llama through the real stack (vLLM in a Ray actor, `lora_modules` in the
 config), against `vllm serve --enable-lora --lora-modules` on the same files: the adapter's greedy
 answers differ from the base's and equal vLLM's; /v1/models lists it as vLLM does; an adapter
-loaded and unloaded at run time while requests run, none of them failing."""
+loaded and unloaded at run time while requests run, none of them failing; one loaded at run time
+is loaded again on a replica whose process was killed and restarted."""
 
 import os
+import signal
 import sys
 import threading
 
@@ -15,6 +17,7 @@ from tandem_tools.servers import Server
 from tandem_tools.setups import _vllm_flags
 from tests.integration.stack import ENGINE_ARGS, REPO, running_stack
 from tests.unit.gateway_server import free_port
+from tests.waiting import wait_for
 from workers import tiny_models
 
 MODEL, ADAPTER, LATE = "tiny-llama", "tiny-lora", "late-lora"
@@ -111,3 +114,25 @@ def test_an_adapter_loaded_and_unloaded_while_requests_run_answers_as_vllms(refe
         stop.set()
         t.join(300)
     assert not failures and done[0] > 0, failures
+
+
+def test_a_restarted_replica_gets_the_adapter_loaded_at_run_time_back(reference, files, lora_stack):
+    """The replica's process killed (SIGKILL): Ray restarts it, and the gateway loads the adapter
+    loaded at run time onto the new engine before it serves again."""
+    _, lora_path = files
+    load = httpx.post(lora_stack.url + "/v1/load_lora_adapter", json={"lora_name": LATE, "lora_path": lora_path},
+                      timeout=300)
+    assert load.status_code == 200, load.text
+    before = lora_stack.replica_stats(MODEL)[0]
+    os.kill(before["pid"], signal.SIGKILL)
+
+    def back() -> bool:
+        rows = lora_stack.replica_stats(MODEL)
+        return bool(rows) and rows[0]["restarts"] > before["restarts"] and rows[0]["state"] == "healthy"
+
+    wait_for(back, "the killed replica restarted and healthy", timeout=600, interval=1)
+    assert lora_stack.replica_stats(MODEL)[0]["pid"] != before["pid"]
+    assert _answers(lora_stack.url, [LATE])[LATE] == reference["late"]
+    assert _answers(lora_stack.url, [ADAPTER]) == {ADAPTER: reference["answers"][ADAPTER]}  # the configured one too
+    unload = httpx.post(lora_stack.url + "/v1/unload_lora_adapter", json={"lora_name": LATE}, timeout=300)
+    assert unload.status_code == 200, unload.text
