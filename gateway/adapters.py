@@ -35,9 +35,6 @@ class Adapters:
     def base_of(self, model: object) -> str | None:
         return self.base.get(model) if isinstance(model, str) else None
 
-    def of_base(self, base: str) -> list[str]:
-        return [a for a, b in self.base.items() if b == base]
-
     def card(self, name: str) -> dict:
         """The adapter as vLLM lists it in /v1/models: its base is its ``parent``."""
         return {"id": name, "object": "model", "created": 0, "owned_by": "tandem", "kind": "lora",

@@ -153,9 +153,6 @@ class AdapterAffinity:
         while len(held) > self.slots:
             held.popitem(last=False)
 
-    def holds(self, replica: Replica) -> list[str]:
-        return list(self._held.get((replica.id, replica.generation), ()))
-
     def drop(self, replica_id: str) -> None:
         for key in [k for k in self._held if k[0] == replica_id]:
             del self._held[key]
