@@ -69,7 +69,7 @@ class DiffusionEngine:
         from diffusion_plugin.families import load_adapter
         from diffusion_plugin.runner import Runner
 
-        adapter = await asyncio.to_thread(load_adapter, self.args.family, self.source, self.args.dtype,
+        adapter = await asyncio.to_thread(load_adapter, self.args.family, self.source, self.args.load_dtype,
                                           device=self.device, num_threads=self.args.num_threads)
         self.adapter = adapter
         memory = self._budget()
@@ -80,6 +80,11 @@ class DiffusionEngine:
         # vLLM's request models and xgrammar (structured outputs) take seconds to import: at
         # start, not in the first constrained request's time.
         await asyncio.to_thread(warm_structured)
+        logger.info("%s: diffusion engine on %s, dtype %s, sampler %s, boundaries %s, max_batch %d; memory budget "
+                    "%.2f GiB (KV page pool %.2f GiB%s); one device per replica (no tensor or pipeline parallelism)",
+                    self.model, self.device, str(adapter.model.dtype).removeprefix("torch."), self.sampler,
+                    self.args.boundaries, self.max_batch, memory.budget_bytes / GIB, memory.pool_bytes / GIB,
+                    "" if memory.groups else ": committed as written")
         return self.start_with(adapter, runner, memory)
 
     def start_with(self, adapter, runner, memory: MemoryBudget | None) -> EngineInfo:

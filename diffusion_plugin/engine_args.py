@@ -34,9 +34,12 @@ class DiffusionEngineArgs(BaseModel):
                                "caching; prompts are encoded in page-aligned chunks, so a hit changes no bit of an "
                                "answer. The exact sampler encodes a prompt in one pass, as generate(), and never "
                                "caches (this is then ignored).")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="The weights' torch dtype.")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="The weights' torch dtype. None: the checkpoint's own on a cuda device (bfloat16 for "
+        "DiffusionGemma), float32 on cpu.")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="Where the model runs: cpu, cuda or "
-                        "cuda:<index>.")
+                        "cuda:<index>. In a config it follows the replica's resources.num_gpus (cuda when it holds a "
+                        "GPU, with the fast sampler), and disagreeing with them fails at load.")
     num_threads: int | None = Field(None, ge=1, description="torch threads (set it to the replica's num_cpus). "
                                     "None: torch's default.")
     memory_budget_gib: float | None = Field(None, gt=0, description="GiB sequences may reserve (KV + per-row "
@@ -78,6 +81,14 @@ class DiffusionEngineArgs(BaseModel):
         return ImageLimits(max_images=self.max_images, max_image_bytes=self.max_image_bytes,
                            max_pixels=self.max_image_pixels, fetch_urls=self.image_fetch,
                            fetch_timeout_s=self.image_fetch_timeout_s)
+
+    @property
+    def load_dtype(self) -> str:
+        """What the weights load as: the dtype given, else the checkpoint's ("auto") on a device,
+        float32 on the host."""
+        if self.dtype is not None:
+            return self.dtype
+        return "float32" if self.device == "cpu" else "auto"
 
     @property
     def row_boundaries(self) -> bool:

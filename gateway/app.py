@@ -8,8 +8,9 @@ import os
 import time
 import uuid
 from contextlib import asynccontextmanager
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -254,7 +255,8 @@ def build_app(service: Service) -> FastAPI:
 
     @route("models")
     async def list_models() -> dict:
-        names = [*service.router.pools, *service.adapters.base]  # LoRA adapters after the bases, as vLLM lists them
+        # Each model's served names (vLLM lists each), then the LoRA adapters, as vLLM lists them
+        names = [n for m in service.config.models for n in m.served_names] + list(service.adapters.base)
         return {"object": "list", "data": [views.model_card(service.router, name) for name in names]}
 
     @route("model")
@@ -292,8 +294,11 @@ def build_app(service: Service) -> FastAPI:
         return {"status": "ok", "uptime_s": round(time.monotonic() - service.started_at, 1)}
 
     @route("ready")
-    async def ready() -> Response:
-        status = views.readiness(service.router)
+    async def ready(model: Annotated[list[str] | None, Query()] = None) -> Response:
+        for name in model or ():
+            if name not in service.router.pools and name not in service.router.aliases:
+                service.router.pool(name)  # 404 in the envelope, naming the models (a LoRA adapter: its base's)
+        status = views.readiness(service.router, model)
         return JSONResponse(status, status_code=200 if status["ready"] and not service.draining else 503)
 
     return app

@@ -22,11 +22,12 @@ class ConfigError(Exception):
 
 
 def _format_errors(path: Path, err: ValidationError, prefix: tuple = ()) -> str:
-    lines = [f"{path}: invalid configuration"]
-    for e in err.errors():
-        loc = ".".join(str(p) for p in (*prefix, *e["loc"])) or "(top level)"
-        lines.append(f"  {loc}: {e['msg']}")
-    return "\n".join(lines)
+    """One line for one error (`tandem serve` then fails in one line); a list for several."""
+    found = [(".".join(str(p) for p in (*prefix, *e["loc"])) or "(top level)", e["msg"].removeprefix("Value error, "))
+             for e in err.errors()]
+    if len(found) == 1:
+        return f"{path}: {found[0][0]}: {found[0][1]}"
+    return "\n".join([f"{path}: invalid configuration", *(f"  {loc}: {msg}" for loc, msg in found)])
 
 
 def parse_config(data: Any, path: Path = Path("<config>")) -> TandemConfig:

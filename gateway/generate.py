@@ -68,7 +68,7 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
     config = service.config
     intake = await take_in_request(request, service, route, body)
     body, timeout_at = intake.body, intake.timeout_at
-    model = metrics.model_label(intake.model)
+    model = metrics.model_label(service.router.aliases.get(intake.model, intake.model))  # an alias: its model's
     request.state.tandem_model = model
     if service.draining:
         raise TandemError(ErrorKind.SHUTTING_DOWN, "the server is shutting down; retry on another instance",

@@ -261,18 +261,21 @@ class ModelPool:
 
 
 class Router:
-    def __init__(self, pools: list[ModelPool], adapters=None):
+    def __init__(self, pools: list[ModelPool], adapters=None, aliases: dict[str, str] | None = None):
         self.pools = {p.name: p for p in pools}
         self.adapters = adapters  # ``gateway.adapters.Adapters``: a LoRA adapter's name is served by its base
+        self.aliases = dict(aliases or {})  # another served name -> the model's name
 
     def pool(self, model: object) -> ModelPool:
-        """The pool serving ``model``: a model's own, or a LoRA adapter's base's."""
+        """The pool serving ``model``: a model's own (by its name or an alias), or a LoRA
+        adapter's base's."""
         if not isinstance(model, str) or not model:
             raise TandemError(ErrorKind.INVALID_REQUEST, "model: a model name (string) is required", "model")
         base = self.adapters.base_of(model) if self.adapters is not None else None
-        pool = self.pools.get(base or model)
+        pool = self.pools.get(base or self.aliases.get(model, model))
         if pool is None:
-            names = sorted([*self.pools, *(self.adapters.base if self.adapters is not None else ())])
+            names = sorted([*self.pools, *self.aliases,
+                            *(self.adapters.base if self.adapters is not None else ())])
             raise TandemError(
                 ErrorKind.MODEL_NOT_FOUND,
                 f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.",  # vLLM's words
@@ -285,7 +288,13 @@ class Router:
         return model if self.adapters is not None and self.adapters.base_of(model) else None
 
     def ready(self) -> bool:
+        """Every model has a healthy replica."""
         return all(p.healthy() for p in self.pools.values())
+
+    def serving(self) -> bool:
+        """Some model has a healthy replica (the gateway's readiness: a model without one answers
+        its own requests 503, and never makes the gateway unready for the others)."""
+        return any(p.healthy() for p in self.pools.values())
 
     def all_replicas(self) -> list[Replica]:
         return [r for p in self.pools.values() for r in p.replicas]

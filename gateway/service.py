@@ -41,7 +41,8 @@ class Service:
                       affinity_load_factor=m.session_affinity.load_factor if m.session_affinity.enabled else None,
                       routing=m.routing,
                       adapter_slots=int(m.engine_args.get("max_loras", 1)) if m.lora_enabled else None)
-            for m in config.models], self.adapters)
+            for m in config.models], self.adapters,
+            aliases={alias: m.name for m in config.models for alias in m.aliases})
         self.draining = False
         self.fatal: str | None = None  # why the service stopped at start (a replica's configuration)
         self.started_at = time.monotonic()

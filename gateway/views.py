@@ -31,9 +31,11 @@ def scaling(router: Router) -> dict[str, dict[str, int]]:
 
 
 def model_card(router: Router, name: str) -> dict:
+    """``name``: a model's name or alias (a card of its own, as vLLM lists each served name), or
+    a LoRA adapter's."""
     if name not in router.pools and router.adapters is not None and router.adapters.base_of(name):
         return router.adapters.card(name)
-    pool = router.pools[name]
+    pool = router.pools[router.aliases.get(name, name)]
     info = next((r.info for r in pool.replicas if r.info is not None), None)
     return {
         "id": name,
@@ -82,11 +84,17 @@ async def reset_prefix_cache(router: Router, model: str | None) -> dict:
     return {"success": all(done), "replicas": len(live)}
 
 
-def readiness(router: Router) -> dict:
+def readiness(router: Router, names: list[str] | None = None) -> dict:
+    """/ready's body. ``ready``: with ``names`` (models or aliases, each checked by the caller),
+    each of them has a healthy replica; without, some model has one (the gateway serves: a model
+    without a replica answers its own requests 503, and never takes the others out of service).
+    ``all_ready``: every model has one."""
     models = {}
     for name, pool in router.pools.items():
         models[name] = {
             "ready": bool(pool.healthy()),
             "replicas": [{"id": r.id, "state": r.state.value, "error": r.last_error} for r in pool.replicas],
         }
-    return {"ready": all(m["ready"] for m in models.values()), "models": models}
+    ready = (all(models[router.aliases.get(n, n)]["ready"] for n in names) if names
+             else any(m["ready"] for m in models.values()))
+    return {"ready": ready, "all_ready": all(m["ready"] for m in models.values()), "models": models}

@@ -129,8 +129,27 @@ class ModelKind(str, Enum):
 
 
 class Resources(_Strict):
-    num_gpus: float = Field(1, ge=0, description="GPUs each replica holds (Ray resource).")
+    num_gpus: float = Field(1, ge=0, description="GPUs each replica holds (Ray resource); with tensor or pipeline "
+                            "parallelism (engine_args tensor_parallel_size x pipeline_parallel_size > 1), GPUs per "
+                            "engine worker: the replica then holds a Ray placement group of that many bundles.")
     num_cpus: float = Field(1, ge=0, description="CPUs each replica holds (Ray resource).")
+    custom: dict[str, float] = Field(default_factory=dict, description="Ray custom resources each replica holds, "
+                                     "e.g. {\"accelerator_type:H100\": 0.001} or a node label of your own "
+                                     "(`ray start --resources`): the replica runs only on nodes that offer them.")
+
+    @field_validator("custom")
+    @classmethod
+    def _custom_is_custom(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = sorted(k for k, n in v.items() if k in ("CPU", "GPU", "memory") or not k or n < 0)
+        if bad:
+            raise ValueError(f"custom resources need a name of your own and an amount >= 0 (CPU and GPU are "
+                             f"num_cpus and num_gpus): {', '.join(bad)}")
+        return v
+
+    def ray_needs(self) -> dict[str, float]:
+        """What one replica (or one bundle of its group) asks Ray for, zeros left out."""
+        need = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.custom}
+        return {k: v for k, v in need.items() if v}
 
 
 class SessionAffinity(_Strict):
@@ -164,6 +183,9 @@ class AutoscalingConfig(_Strict):
         return self
 
 
+PARALLEL_ARGS = ("tensor_parallel_size", "pipeline_parallel_size")  # vLLM's engine args
+
+
 class ModelConfig(_Strict):
     name: str = Field(min_length=1, description="The `model` clients ask for.")
     kind: ModelKind = Field(description="autoregressive (vLLM) or diffusion (tandem's batcher).")
@@ -178,6 +200,9 @@ class ModelConfig(_Strict):
         "replica is drained first: no new requests, its requests in flight finish (up to "
         "gateway.drain_timeout_s).")
     resources: Resources = Field(default_factory=Resources, description="Per-replica Ray resources.")
+    aliases: list[str] = Field(default_factory=list, description="More names clients may ask for, each routed to "
+                               "this model and listed by /v1/models (as `vllm serve --served-model-name NAME ALIAS "
+                               "...`); answers name the model `name`, as vLLM answers with its first served name.")
     max_in_flight_per_replica: int | None = Field(
         None, ge=1, description="Requests a replica takes at once; beyond, they queue in the gateway "
         "(None: no limit, the engine queues them itself).")
@@ -212,6 +237,66 @@ class ModelConfig(_Strict):
             if isinstance(start, int) and start >= 1:  # else autoscaling.min_replicas's own error says why
                 data = {**data, "replicas": start}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _diffusion_follows_its_hardware(cls, data: Any) -> Any:
+        """A diffusion replica that holds a GPU runs on it, with the fast sampler (the exact one is
+        HF's per-row calls, made for parity, not for a GPU), unless its engine_args say otherwise;
+        its dtype (None) is then the checkpoint's. On the host: cpu, exact, float32."""
+        if not (isinstance(data, dict) and data.get("kind") == ModelKind.DIFFUSION.value):
+            return data
+        resources, args = data.get("resources", {}), data.get("engine_args", {})
+        gpus = resources.get("num_gpus", 1) if isinstance(resources, dict) else 1
+        if isinstance(args, dict) and isinstance(gpus, (int, float)) and gpus > 0:
+            data = {**data, "engine_args": {"device": "cuda", "sampler": "fast", **args}}
+        return data
+
+    @model_validator(mode="after")
+    def _device_matches_resources(self) -> ModelConfig:
+        """A diffusion model's device and the GPU its replica holds must agree: a GPU held while
+        the model runs on the host (or the reverse) is a configuration that cannot be meant."""
+        if self.kind is not ModelKind.DIFFUSION:
+            return self
+        device = str(self.engine_args.get("device", "cpu"))
+        if device == "cpu" and self.resources.num_gpus > 0:
+            raise ValueError(f"engine_args.device: cpu, but resources.num_gpus: {self.resources.num_gpus:g} reserves "
+                             "a GPU that would stay idle; drop device (it follows num_gpus) or set "
+                             "resources.num_gpus: 0")
+        if device.startswith("cuda") and self.resources.num_gpus == 0:
+            raise ValueError(f"engine_args.device: {device}, but resources.num_gpus: 0 holds no GPU; set "
+                             "resources.num_gpus: 1 (or device: cpu)")
+        return self
+
+    @model_validator(mode="after")
+    def _parallel_layout(self) -> ModelConfig:
+        if self.kind is ModelKind.DIFFUSION:
+            given = sorted(k for k in PARALLEL_ARGS if k in self.engine_args)
+            if given:
+                raise ValueError(f"engine_args.{given[0]}: a diffusion model runs on one device per replica (tensor "
+                                 "and pipeline parallelism are not supported yet); add replicas instead")
+            return self
+        for key in PARALLEL_ARGS:
+            v = self.engine_args.get(key, 1)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"engine_args.{key}: a whole number >= 1, not {v!r}")
+        if "served_model_name" in self.engine_args:
+            raise ValueError("engine_args.served_model_name: the names clients use are the model's `name` and "
+                             "`aliases` (tandem routes by them and passes them to vLLM)")
+        return self
+
+    @property
+    def devices_per_replica(self) -> int:
+        """Engine workers of one replica: tensor_parallel_size x pipeline_parallel_size (1 for a
+        diffusion model); above 1 the replica holds a Ray placement group of that many bundles."""
+        if self.kind is not ModelKind.AUTOREGRESSIVE:
+            return 1
+        return int(self.engine_args.get("tensor_parallel_size", 1)) * int(self.engine_args.get("pipeline_parallel_size", 1))
+
+    @property
+    def served_names(self) -> list[str]:
+        """Every name this model answers to, its own first."""
+        return [self.name, *self.aliases]
 
     @model_validator(mode="after")
     def _replicas_within_autoscaling(self) -> ModelConfig:
@@ -256,6 +341,14 @@ class ModelConfig(_Strict):
     def _name_is_clean(cls, v: str) -> str:
         if v != v.strip() or v.startswith("/"):
             raise ValueError("must not start with '/' or carry surrounding spaces")
+        return v
+
+    @field_validator("aliases")
+    @classmethod
+    def _aliases_are_clean(cls, v: list[str]) -> list[str]:
+        bad = [a for a in v if not a or a != a.strip() or a.startswith("/")]
+        if bad:
+            raise ValueError(f"aliases must be non-empty, unpadded and not start with '/': {bad}")
         return v
 
     def is_builtin(self) -> bool:
@@ -324,10 +417,10 @@ class TandemConfig(_Strict):
     @field_validator("models")
     @classmethod
     def _unique_names(cls, models: list[ModelConfig]) -> list[ModelConfig]:
-        names = [m.name for m in models]
+        names = [n for m in models for n in m.served_names]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
+            raise ValueError(f"model names and aliases must be unique; repeated: {', '.join(dupes)}")
         adapters = [a for m in models for a in m.lora_modules]
         clash = sorted({a for a in adapters if adapters.count(a) > 1 or a in names})
         if clash:
@@ -335,6 +428,7 @@ class TandemConfig(_Strict):
         return models
 
     def model(self, name: str) -> ModelConfig | None:
+        """The model ``name`` names (its name, not an alias)."""
         return next((m for m in self.models if m.name == name), None)
 
     def limits_for(self, model: str) -> LimitsConfig:

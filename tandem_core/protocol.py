@@ -98,8 +98,10 @@ ROUTE_TABLE: tuple[RouteSpec, ...] = (
     RouteSpec("unload_lora_adapter", "POST", "/v1/unload_lora_adapter", doc="vLLM's route: unload a LoRA adapter "
               "(`lora_name`) from every replica of its base model."),
     RouteSpec("health", "GET", "/health", doc="Liveness: the gateway process answers."),
-    RouteSpec("ready", "GET", "/ready", doc="Readiness: every model has a healthy replica (503 otherwise, and "
-              "while draining)."),
+    RouteSpec("ready", "GET", "/ready", doc="Readiness: some model has a healthy replica (a model without one "
+              "answers its own requests 503, never taking the others out of service); `?model=NAME` (repeatable): "
+              "each named model has one. 503 otherwise, and while draining. The body says each model's state and "
+              "`all_ready`."),
 )
 ROUTE_SPECS: dict[str, RouteSpec] = {r.name: r for r in ROUTE_TABLE}
 # Engine routes: name -> (HTTP method, path) as clients call it (names routes in errors).

@@ -37,8 +37,9 @@ class VllmEngine:
     """Implements ``tandem_core.protocol.Engine`` with vLLM."""
 
     def __init__(self, model: str, source: str, engine_args: dict[str, Any], avoid_worker_cores: bool = True,
-                 lora_modules: dict[str, str] | None = None):
+                 lora_modules: dict[str, str] | None = None, aliases: list[str] | None = None):
         self.model = model
+        self.aliases = list(aliases or [])  # more served names (vLLM's --served-model-name NAME ALIAS...)
         self.lora_modules = dict(lora_modules or {})  # name -> a local path (built-in ones resolved)
         self.avoid_worker_cores = avoid_worker_cores
         self.source = source
@@ -58,7 +59,7 @@ class VllmEngine:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = build_vllm_args(self.model, self.source, self.engine_args, self.lora_modules)
+        args = build_vllm_args(self.model, self.source, self.engine_args, self.lora_modules, self.aliases)
         try:
             eargs = AsyncEngineArgs.from_cli_args(args)
             vllm_config = eargs.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
@@ -72,8 +73,14 @@ class VllmEngine:
             stat_loggers=[self._totals.factory()],
         )
         # Set by the engine core at start-up (its KV blocks); the gateway sizes its prefix index on it.
-        cache = vllm_config.cache_config
+        cache, par = vllm_config.cache_config, vllm_config.parallel_config
         self._kv_cache_tokens = (cache.num_gpu_blocks or 0) * (cache.block_size or 0) or None
+        logger.info("%s: vLLM engine on %s, dtype %s, max_model_len %d, tensor_parallel_size %d x "
+                    "pipeline_parallel_size %d (%s executor), KV cache %s tokens, enforce_eager %s",
+                    self.model, vllm_config.device_config.device_type, str(vllm_config.model_config.dtype).removeprefix(
+                        "torch."), vllm_config.model_config.max_model_len, par.tensor_parallel_size,
+                    par.pipeline_parallel_size, par.distributed_executor_backend or "uniproc", self._kv_cache_tokens,
+                    vllm_config.model_config.enforce_eager)
         supported = await self._llm.get_supported_tasks()
         self._state = State()
         await init_app_state(self._llm, self._state, args, supported)
@@ -320,4 +327,4 @@ class VllmEngine:
 
 def create_engine(cfg, source_path: str) -> VllmEngine:
     """The ``autoregressive`` entry in ``workers.registry``."""
-    return VllmEngine(cfg.name, source_path, cfg.engine_args, lora_modules=cfg.lora_modules)
+    return VllmEngine(cfg.name, source_path, cfg.engine_args, lora_modules=cfg.lora_modules, aliases=cfg.aliases)

@@ -20,9 +20,10 @@ _CONTEXT_MARKERS = ("maximum context length", "context length", "max_model_len",
 
 
 def build_vllm_args(model: str, source: str, engine_args: dict[str, Any],
-                    lora_modules: dict[str, str] | None = None) -> argparse.Namespace:
+                    lora_modules: dict[str, str] | None = None, aliases: list[str] | None = None) -> argparse.Namespace:
     """vLLM's own `serve` defaults, with ``engine_args`` applied on top unchanged;
-    ``lora_modules`` (name -> path) as ``--enable-lora --lora-modules name=path ...``.
+    ``lora_modules`` (name -> path) as ``--enable-lora --lora-modules name=path ...``; the model's
+    name and ``aliases`` as ``--served-model-name``.
 
     Raises ValueError naming the first key vLLM does not know.
     """
@@ -30,7 +31,7 @@ def build_vllm_args(model: str, source: str, engine_args: dict[str, Any],
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser(prog="tandem-vllm"))
-    argv = ["--model", source, "--served-model-name", model]
+    argv = ["--model", source, "--served-model-name", model, *(aliases or [])]
     if lora_modules:
         argv += ["--enable-lora", "--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
     args = parser.parse_args(argv)

@@ -68,7 +68,8 @@ class DiffusionGemmaAdapter:
         if num_threads:
             torch.set_num_threads(int(num_threads))
         register()
-        model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=getattr(torch, dtype))
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(
+            path, dtype="auto" if dtype == "auto" else getattr(torch, dtype))  # auto: the checkpoint's
         self.model = model.to(device).eval()
         self.model.set_attn_implementation(ATTN_NAME)
         self.model.model.decoder.self_conditioning.register_forward_pre_hook(_soft_embeddings)

@@ -102,7 +102,7 @@ def test_config_starts_at_min_replicas_and_takes_replicas_as_the_initial_count()
 
 
 @pytest.mark.parametrize(("model", "top", "says"), [
-    ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, {}, "models.0.autoscaling: Value error, min_replicas"),
+    ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, {}, "models.0.autoscaling: min_replicas"),
     ({"autoscaling": {"min_replicas": 0, "max_replicas": 2}}, {}, "models.0.autoscaling.min_replicas"),
     ({"autoscaling": {"min_replicas": 1}}, {}, "models.0.autoscaling.max_replicas: Field required"),
     ({"autoscaling": {"max_replicas": 2, "target_in_flight_per_replica": 0}}, {},

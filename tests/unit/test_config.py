@@ -96,7 +96,10 @@ def test_diffusion_engine_args_defaults_are_the_engines():
 
     args = DiffusionEngineArgs()
     assert (args.family, args.max_batch, args.boundaries, args.sampler, args.dtype, args.device, args.num_threads,
-            args.memory_budget_gib) == ("diffusiongemma", 16, "block", "exact", "float32", "cpu", None, None)
+            args.memory_budget_gib) == ("diffusiongemma", 16, "block", "exact", None, "cpu", None, None)
+    assert args.load_dtype == "float32"  # on the host; on a device, the checkpoint's own
+    assert DiffusionEngineArgs(device="cuda").load_dtype == "auto"
+    assert DiffusionEngineArgs(device="cuda", dtype="float16").load_dtype == "float16"
     assert args.image_limits() == ImageLimits()
     assert all(f.description for f in DiffusionEngineArgs.model_fields.values())
 

@@ -84,7 +84,10 @@ def test_config_takes_prefix_routing_on_a_diffusion_model_only_with_its_prefix_c
     ar = {"name": "m", "kind": "autoregressive", "source": "x", "routing": "prefix"}
     assert parse_config({"models": [ar]}).models[0].routing == "prefix"
     assert parse_config({"models": [{**ar, "routing": "p2c"}]}).models[0].routing == "p2c"
-    diffusion = {"name": "d", "kind": "diffusion", "source": "x", "routing": "prefix"}
+    diffusion = {"name": "d", "kind": "diffusion", "source": "x", "routing": "prefix", "resources": {"num_gpus": 0}}
+    # On a GPU a diffusion model's sampler is fast unless told otherwise: its prefix cache is on.
+    on_gpu = {**diffusion, "resources": {"num_gpus": 1}}
+    assert parse_config({"models": [on_gpu]}).models[0].engine_args == {"device": "cuda", "sampler": "fast"}
     for engine_args in ({}, {"sampler": "fast", "prefix_cache": False}, {"sampler": "exact", "prefix_cache": True}):
         with pytest.raises(ConfigError) as e:
             parse_config({"models": [{**diffusion, "engine_args": engine_args}]})
