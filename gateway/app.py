@@ -283,7 +283,9 @@ def build_app(service: Service) -> FastAPI:
 
     @route("replicas")
     async def replicas() -> dict:
-        return {"replicas": await views.replica_stats(service.router), "models": views.scaling(service.router)}
+        placement_of = getattr(service.deployment, "placement_of", None)
+        return {"replicas": await views.replica_stats(service.router, placement_of),
+                "models": views.scaling(service.router)}
 
     @route("reset_prefix_cache")
     async def reset_prefix_cache(model: str | None = None) -> dict:

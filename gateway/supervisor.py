@@ -54,6 +54,9 @@ class Deployment(Protocol):
         """Why a replica of ``model`` (``replica_id``: that one, created and not started yet)
         cannot be placed now, or None; blocking (asks the cluster)."""
 
+    # Optional: ``fixed_nodes`` (True: no node can join, so a replica no node can hold fails the
+    # start) and ``placement_of(replica_id)`` (a replica's placement group, for /admin/replicas).
+
     role: Role  # who owns the replicas (and whether other gateway processes serve them too)
 
     def publish_replicas(self, model: str, table: dict[str, str]) -> None:
@@ -97,6 +100,8 @@ class Supervisor:
     def start(self) -> None:
         """Create every replica and start them in the background (the router serves each one
         once it is healthy); then the health and stats loops."""
+        if self._unplaceable():
+            return
         for model in self.config.models:
             pool = self.router.pools[model.name]
             pool.replicas = []
@@ -109,6 +114,24 @@ class Supervisor:
             self.scaling.manage(model, len(created))
         self.spawn(self.health.health_loop())
         self.spawn(self.health.stats_loop())
+
+    def _unplaceable(self) -> bool:
+        """Where no node can join (a local Ray), a model whose replica no node can hold (a GPU on a
+        host without one; a TP group larger than any node) cannot work: say so in one line and stop
+        (``on_fatal``) instead of waiting forever. On a cluster it waits, and /ready and
+        /admin/replicas say for what."""
+        if self.attached or not getattr(self.deployment, "fixed_nodes", False):
+            return False
+        for model in self.config.models:
+            problem = self.deployment.placement_problem(model)
+            if problem:
+                line = (f"model {model.name!r}: a replica needs resources this local Ray does not have "
+                        f"(resources.num_gpus, num_cpus, custom; TP x PP): {problem.replace('; add such a node', '')}")
+                logger.error("%s", line)
+                if self.on_fatal is not None:
+                    self.on_fatal(line)
+                return True
+        return False
 
     def add(self, model: ModelConfig, rid: str, handle: ReplicaHandle) -> Replica:
         """A created replica joins the pool and starts in the background (served once healthy)."""

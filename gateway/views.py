@@ -48,12 +48,16 @@ def model_card(router: Router, name: str) -> dict:
     }
 
 
-async def replica_stats(router: Router) -> list[dict]:
-    """Each replica as the router sees it, with its engine's own stats and description."""
+async def replica_stats(router: Router, placement_of=None) -> list[dict]:
+    """Each replica as the router sees it, with its engine's own stats and description;
+    ``placement_of(replica id)``: its placement group, where it holds one (TP x PP > 1)."""
 
     async def one(r: Replica) -> dict:
         row = {"id": r.id, "model": r.model, "state": r.state.value, "outstanding": r.outstanding,
                "load": r.load, "others_load": r.others_load, "restarts": r.restarts, "error": r.last_error}
+        group = await asyncio.to_thread(placement_of, r.id) if placement_of is not None else None
+        if group is not None:
+            row["placement_group"] = group
         if r.state.live:
             try:
                 s = await asyncio.wait_for(r.handle.stats(), timeout=5)

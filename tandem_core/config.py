@@ -291,7 +291,8 @@ class ModelConfig(_Strict):
         diffusion model); above 1 the replica holds a Ray placement group of that many bundles."""
         if self.kind is not ModelKind.AUTOREGRESSIVE:
             return 1
-        return int(self.engine_args.get("tensor_parallel_size", 1)) * int(self.engine_args.get("pipeline_parallel_size", 1))
+        args = self.engine_args
+        return int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
 
     @property
     def served_names(self) -> list[str]:

@@ -9,12 +9,13 @@ import sys
 from pathlib import Path
 
 from gateway.app import build_app
-from gateway.config import ConfigError, load_config
+from gateway.config import ConfigError, load_config, parse_config
 from gateway.server import run_server
 from gateway.service import Service
 from tandem_core.config import DEFAULT_CONFIG
 from tandem_core.protocol import Role
-from tandem_tools import bench, bench_diffusion, bench_diffusion_prefix, bench_prefix
+from tandem_tools import bench, bench_diffusion, bench_diffusion_prefix, bench_prefix, serve_model
+from tandem_tools.serve_model import ServeError
 from workers import tiny_models
 from workers.deployment import RayDeployment
 
@@ -28,8 +29,8 @@ def _setup_logging(level: str) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config)
-    except ConfigError as e:
+        config = _serve_config(args)
+    except (ConfigError, ServeError) as e:
         print(f"tandem: {e}", file=sys.stderr)
         return 2
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("processes", args.processes))
@@ -75,6 +76,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"tandem: {service.fatal}", file=sys.stderr)
         return 2
     return 0
+
+
+def _serve_config(args: argparse.Namespace):
+    """The config to serve: --config's file, or the one model of `tandem serve MODEL`."""
+    extra = getattr(args, "extra", [])
+    if args.model is None:
+        given = [f for f, v in (("--served-model-name", args.served_model_name), ("--kind", args.kind))
+                 if v is not None] + [f"--{k.replace('_', '-')}" for k in serve_model.VLLM_FLAGS
+                                      if getattr(args, k) is not None] + extra
+        if given:
+            raise ServeError(f"{given[0]}: a flag of `tandem serve MODEL` (name the model; with --config, set it "
+                             "in the file)")
+        return load_config(args.config)
+    if args.config:
+        raise ServeError("--config and MODEL: give one (a config file serves several models; MODEL, one)")
+    return parse_config(serve_model.config_for(args, extra), Path("tandem serve " + args.model))
 
 
 def engine_config_problem(config) -> str | None:
@@ -136,21 +153,27 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log verbosity (default: info)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="serve the configured models over the OpenAI API",
-                           description="Serve the models of a config file at http://HOST:PORT/v1. Without "
-                                       "--config, serves configs/default.yaml: the built-in tiny models "
+    serve = sub.add_parser("serve", help="serve a model, or the models of a config, over the OpenAI API",
+                           usage="tandem serve [MODEL] [flags]",
+                           description="`tandem serve MODEL` serves one model (a local checkpoint or a Hugging "
+                                       "Face id) at http://HOST:PORT/v1, as `vllm serve MODEL` does: an "
+                                       "autoregressive one through vLLM, a block-diffusion one (detected from its "
+                                       "config.json) through tandem's batcher. `tandem serve --config FILE` serves "
+                                       "several. With neither, configs/default.yaml: the built-in tiny models "
                                        "(built on first use), on a local Ray, offline. Other configs: "
-                                       "configs/diffusion-shape.yaml (a diffusion model of DiffusionGemma's "
-                                       "real canvas and vocabulary, exact and fast samplers), "
-                                       "configs/qwen-gpu.yaml (real models on GPU nodes).")
-    serve.add_argument("--config", metavar="FILE", help=f"YAML config (default: {DEFAULT_CONFIG})")
-    serve.add_argument("--host", help="bind address (overrides gateway.host)")
-    serve.add_argument("--port", type=int, help="port (overrides gateway.port)")
-    serve.add_argument("--processes", type=int, metavar="N", help="gateway processes sharing the port and the "
-                       "replicas (overrides gateway.processes; default 1)")
-    serve.add_argument("--attach", action="store_true", help="serve the replicas that the `tandem serve` of "
-                       "another node created and supervises, on the cluster of ray.address (one per node)")
-    serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
+                                       "configs/diffusion-shape.yaml, configs/qwen-gpu.yaml (real models on GPU "
+                                       "nodes); every field: docs/config.md.")
+    serve_model.add_arguments(serve)
+    g = serve.add_argument_group("the server")
+    g.add_argument("--config", metavar="FILE", help=f"YAML config of several models (default without MODEL: "
+                   f"{DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parent.parent)})")
+    g.add_argument("--host", help="bind address (overrides gateway.host; default 127.0.0.1)")
+    g.add_argument("--port", type=int, help="port (overrides gateway.port; default 8000)")
+    g.add_argument("--processes", type=int, metavar="N", help="gateway processes sharing the port and the "
+                   "replicas (overrides gateway.processes; default 1)")
+    g.add_argument("--attach", action="store_true", help="serve the replicas that the `tandem serve` of "
+                   "another node created and supervises, on the cluster of ray.address (one per node)")
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     serve.set_defaults(func=cmd_serve)
 
     build = sub.add_parser("build-tiny-models", help="build the built-in tiny models (random weights)",
@@ -178,7 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not (args.command == "serve" and args.model is not None):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra  # `tandem serve MODEL`: vLLM's other serve flags (serve_model.vllm_flags checks them)
     _setup_logging(args.log_level)
     return args.func(args)
 

@@ -174,7 +174,9 @@ class EngineActor:
         import ray
 
         node = self.node_id() if ray.is_initialized() else None  # None: in-process (unit tests)
-        return {"node_id": node, "pid": os.getpid(), "incarnation": self.incarnation}
+        group = ray.util.get_current_placement_group() if node is not None else None  # TP x PP > 1
+        return {"node_id": node, "pid": os.getpid(), "incarnation": self.incarnation,
+                "placement_group_id": group.id.hex() if group is not None else None}
 
     async def stats(self) -> EngineStats:
         """The engine's stats, plus the requests in flight here: in total and per channel (each

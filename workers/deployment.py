@@ -76,6 +76,7 @@ class RayDeployment:
         self.role = Role(role)
         self._actors: dict[str, object] = {}  # replica id -> its actor handle
         self._published: set[str] = set()  # models whose replica table this owner wrote
+        self._groups: dict[str, object] = {}  # replica id -> its placement group (TP x PP > 1)
         if not ray.is_initialized():
             if config.ray.address:
                 logger.info("joining the Ray cluster at %s", config.ray.address)
@@ -149,6 +150,10 @@ class RayDeployment:
         # no task retries: a request on a dead replica fails, the gateway decides on a retry.
         options = {"num_cpus": model.resources.num_cpus, "num_gpus": model.resources.num_gpus,
                    "scheduling_strategy": "SPREAD", "max_restarts": model.max_restarts, "max_task_retries": 0}
+        if model.resources.custom:
+            options["resources"] = dict(model.resources.custom)
+        if model.devices_per_replica > 1:
+            options.update(self._group_for(model, rid))
         if model.env:
             options["runtime_env"] = {"env_vars": dict(model.env)}
         if self.role is Role.OWNER:  # other gateway processes find it by name
@@ -158,22 +163,83 @@ class RayDeployment:
         self._actors[rid] = actor
         return rid, RayReplicaHandle(actor, channel=self.config.gateway.channel)
 
+    # -- replicas larger than one device: a placement group per replica ------------------------
+    # As Ray Serve LLM places vLLM: the replica's actor runs in bundle 0 of a group of TP x PP
+    # bundles (one per engine worker) and captures it, so vLLM, built inside the actor, finds the
+    # group (``ray.util.get_current_placement_group``), picks its Ray executor and puts one worker
+    # on each bundle. TP's workers share one node (STRICT_PACK: their all-reduce needs NVLink or
+    # PCIe, not the network); PP alone packs where it can (PACK). The group is the replica's:
+    # Ray restarts its actor inside it; removing the replica removes it.
+
+    def _group_for(self, model: ModelConfig, rid: str) -> dict:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = group_strategy(model)
+        pg = placement_group(group_bundles(model), strategy=strategy, name=f"tandem-group:{rid}")
+        self._groups[rid] = pg
+        logger.info("replica %s: a placement group of %d bundles (%s, %s) for tensor_parallel_size x "
+                    "pipeline_parallel_size = %d", rid, model.devices_per_replica, strategy,
+                    group_bundles(model)[-1], model.devices_per_replica)
+        # The actor takes bundle 0's CPU (and custom resources); the engine's workers its GPUs.
+        return {"num_gpus": 0, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
+
+    def placement_of(self, replica_id: str) -> dict | None:
+        """A replica's placement group as /admin/replicas shows it (None: a one-device replica)."""
+        pg = self._groups.get(replica_id)
+        if pg is None:
+            return None
+        from ray.util import placement_group_table
+
+        try:
+            table = placement_group_table(pg)
+        except Exception as e:  # noqa: BLE001 - a view only
+            return {"error": f"{type(e).__name__}: {e}"}
+        return {"id": pg.id.hex(), "strategy": table.get("strategy"), "state": table.get("state"),
+                "bundles": list(table.get("bundles", {}).values()),
+                "nodes": sorted(set(table.get("bundles_to_node_id", {}).values()))}
+
+    def _remove_group(self, replica_id: str) -> None:
+        pg = self._groups.pop(replica_id, None)
+        if pg is not None and self.role.owns:
+            from ray.util import remove_placement_group
+
+            try:
+                remove_placement_group(pg)
+            except Exception as e:  # noqa: BLE001 - already gone with the cluster
+                logger.debug("placement group of %s: %s", replica_id, e)
+
     def remove_replica(self, replica_id: str) -> None:
-        """Kill one replica's actor for good (autoscaling down; its engine is shut down)."""
+        """Kill one replica's actor for good (autoscaling down; its engine is shut down), and
+        release its placement group."""
         import ray
 
         actor = self._actors.pop(replica_id, None)
         if actor is not None and self.role.owns:
             ray.kill(actor, no_restart=True)
+        self._remove_group(replica_id)
+
+    @property
+    def fixed_nodes(self) -> bool:
+        """No node can join: a local Ray (a cluster joined by address may grow: its autoscaler or
+        an operator adds nodes, so there a replica waits)."""
+        return not self.config.ray.address
 
     def placement_problem(self, model: ModelConfig, replica_id: str | None = None) -> str | None:
         """Why a replica of ``model`` cannot be placed: no live node offers its resources at all
-        (e.g. ``num_gpus: 1`` on a cluster without GPU nodes), or (``replica_id``: that replica,
-        when Ray has not placed its actor yet) none has them free now, every one being taken.
-        None if some node could hold it, or the replica is placed (then it is loading)."""
+        (e.g. ``num_gpus: 1`` on a cluster without GPU nodes; with TP > 1, the whole group on one
+        node), or (``replica_id``: that replica, when Ray has not placed its actor yet) none has
+        them free now, every one being taken. None if some node could hold it, or the replica is
+        placed (then it is loading)."""
         import ray
 
-        need = {k: v for k, v in (("CPU", model.resources.num_cpus), ("GPU", model.resources.num_gpus)) if v}
+        need: dict[str, float] = {"CPU": 0, "GPU": 0}
+        for bundle in (group_bundles(model) if group_strategy(model) == "STRICT_PACK" else
+                       [model.resources.ray_needs()]):
+            for k, v in bundle.items():
+                need[k] = need.get(k, 0) + v
+        need = {k: v for k, v in need.items() if v}
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         if any(all(n["Resources"].get(k, 0) >= v for k, v in need.items()) for n in nodes):
             if replica_id is None or self._actor_state(replica_id) != "PENDING_CREATION":
@@ -222,6 +288,8 @@ class RayDeployment:
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self._actors.clear()
+        for rid in list(self._groups):
+            self._remove_group(rid)
 
 
 class AttachedReplicaHandle(RayReplicaHandle):
@@ -291,6 +359,20 @@ class AttachedReplicaHandle(RayReplicaHandle):
     async def shutdown(self) -> None:
         """Only this process's channel: the replica is the owner's."""
         self.fail_in_flight(TandemError(ErrorKind.SHUTTING_DOWN, "the gateway is shutting down"))
+
+
+def group_strategy(model: ModelConfig) -> str:
+    """STRICT_PACK with tensor parallelism (one node), PACK for pipeline stages alone."""
+    return "STRICT_PACK" if int(model.engine_args.get("tensor_parallel_size", 1)) > 1 else "PACK"
+
+
+def group_bundles(model: ModelConfig) -> list[dict[str, float]]:
+    """One bundle per engine worker: ``num_gpus`` GPUs each (on a host without GPUs, ``num_cpus``
+    CPUs each); the first also holds the replica actor's CPUs and custom resources."""
+    r = model.resources
+    worker = {"GPU": r.num_gpus} if r.num_gpus else {"CPU": r.num_cpus or 1}
+    first = {**worker, **({"CPU": worker.get("CPU", 0) + r.num_cpus} if r.num_cpus else {}), **r.custom}
+    return [first] + [dict(worker) for _ in range(model.devices_per_replica - 1)]
 
 
 def _start_local_ray(cpus: int) -> None:

@@ -11,6 +11,17 @@ ADAPTERS = {
     "diffusiongemma": "diffusion_plugin.families.diffusiongemma:DiffusionGemmaAdapter",
 }
 
+# A checkpoint's config.json `architectures` entry -> its family (`tandem serve MODEL` detects the kind by it)
+ARCHITECTURES = {
+    "DiffusionGemmaForBlockDiffusion": "diffusiongemma",
+}
+
+
+def family_of(architectures: list[str]) -> str | None:
+    """The family serving a checkpoint of these ``architectures``, None if none does (then it is
+    not a block-diffusion model tandem knows)."""
+    return next((ARCHITECTURES[a] for a in architectures if a in ARCHITECTURES), None)
+
 
 def adapter_class(family: str) -> type:
     """The adapter class of ``family``; ValueError naming the known ones."""
