@@ -102,7 +102,8 @@ def running_stack(config: dict, tmp: Path) -> Iterator[Stack]:
         if proc.poll() is not None:
             pytest.fail(f"tandem serve exited with {proc.returncode}:\n{s.log_tail()}")
         try:
-            return httpx.get(s.url + "/ready", timeout=2).status_code == 200
+            r = httpx.get(s.url + "/ready", timeout=2)  # 200 once one model serves: wait for all of them
+            return r.status_code == 200 and r.json()["all_ready"]
         except httpx.HTTPError:
             return False
 

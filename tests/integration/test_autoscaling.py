@@ -247,7 +247,8 @@ def test_two_gateway_processes_follow_the_owner_up_and_down(tmp_path):
     def ready() -> bool:
         assert proc.poll() is None, f"the gateway exited early:\n{log.read_text()[-4000:]}"
         try:
-            return httpx.get(url + "/ready", timeout=30).status_code == 200
+            r = httpx.get(url + "/ready", timeout=30)  # 200 once one model serves: wait for all
+            return r.status_code == 200 and r.json()["all_ready"]
         except httpx.HTTPError:
             return False
 

@@ -133,7 +133,10 @@ def test_unplaceable_replica_is_reported(ray_local):
     does /metrics; nothing hangs."""
     from workers.deployment import RayDeployment
 
-    extra = {"gateway": {"health_interval_s": 0.5}, "model_fields": {"resources": {"num_gpus": 1, "num_cpus": 1}}}
+    # ray.address: a cluster, which may grow (a local Ray of fixed nodes refuses the start instead:
+    # test_placement_groups.py)
+    extra = {"gateway": {"health_interval_s": 0.5}, "ray": {"address": "auto"},
+             "model_fields": {"resources": {"num_gpus": 1, "num_cpus": 1}}}
     with fake_gateway(extra=extra, wait_ready=False,
                       deployment_factory=lambda cfg: RayDeployment(cfg, engine_key="fake")) as (url, service, _):
         _wait_for(lambda: service.router.pools["fake"].replicas[0].state is ReplicaState.PENDING, 20,

@@ -41,7 +41,8 @@ class Group:
     def ready(self) -> bool:
         assert self.proc.poll() is None, f"the gateway exited early:\n{self.log_tail()}"
         try:
-            return httpx.get(self.url + "/ready", timeout=30).status_code == 200
+            r = httpx.get(self.url + "/ready", timeout=30)  # 200 once one model serves: wait for all
+            return r.status_code == 200 and r.json()["all_ready"]
         except httpx.HTTPError:
             return False
 
