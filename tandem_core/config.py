@@ -172,9 +172,11 @@ class RayConfig(_Strict):
 
 
 class TandemConfig(_Strict):
-    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
-    ray: RayConfig = Field(default_factory=RayConfig)
-    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig, description="The HTTP server, health checks, "
+                                   "queueing and draining.")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Which Ray to run on: a local one, or a cluster "
+                           "to join.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Where /metrics is served.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys and their rate limits (off "
                              "by default: without keys every request is served).")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Input limits and the request timeout.")
