@@ -143,8 +143,11 @@ class MetricsMiddleware:
                 await self.app(scope, receive, send_wrapper)
         finally:
             m = self.service.metrics
-            model = (scope.get("state") or {}).get("tandem_model", "other")
+            state = scope.get("state") or {}
+            model = state.get("tandem_model", "other")
             m.observe_request(model, m.route_label(scope), status, now() - t0)
+            if "tandem_model" in state:  # a request to a model: its tenant's and key's
+                m.observe_served(model, state.get("tandem_key_name"))
 
 
 def vllm_version() -> str:
@@ -253,16 +256,27 @@ def build_app(service: Service) -> FastAPI:
     async def version() -> dict:
         return {"version": vllm_version()}
 
+    def may_use(request: Request, model: str) -> bool:
+        key = getattr(request.state, "tandem_key", None)  # None: auth is off
+        return key is None or key.may_use(model)
+
     @route("models")
-    async def list_models() -> dict:
+    async def list_models(request: Request) -> dict:
         # Each model's served names (vLLM lists each), then the LoRA adapters, as vLLM lists them
         names = [n for m in service.config.models for n in m.served_names] + list(service.adapters.base)
-        return {"object": "list", "data": [views.model_card(service.router, name) for name in names]}
+        return {"object": "list", "data": [views.model_card(service.router, name) for name in names
+                                           if may_use(request, name)]}
 
     @route("model")
-    async def get_model(model_id: str) -> dict:
+    async def get_model(request: Request, model_id: str) -> dict:
+        if not may_use(request, model_id):
+            raise service.router.not_found(model_id, request.state.tandem_key.models)
         service.router.pool(model_id)  # 404 in the envelope if unknown
         return views.model_card(service.router, model_id)
+
+    @route("usage")
+    async def usage() -> dict:
+        return service.metrics.usage()
 
     @route("load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:

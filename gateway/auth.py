@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.intake import Intake
 from gateway.limits import header, show
 from tandem_core.config import ApiKey, AuthConfig
-from tandem_core.errors import LimitExceeded, RateLimited, TandemError, Unauthenticated
+from tandem_core.errors import ErrorKind, LimitExceeded, RateLimited, TandemError, Unauthenticated
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,16 @@ class ResolvedKey:
     key: str = field(repr=False)
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    role: str = "user"  # or "admin": the operators' routes too
+    tenant: str = ""  # whose usage its requests count to ("": the key's name)
+    models: frozenset[str] | None = None  # the models it may call (None: every one)
+
+    @property
+    def tenant_name(self) -> str:
+        return self.tenant or self.name
+
+    def may_use(self, model: object) -> bool:
+        return self.models is None or model in self.models
 
 
 def resolve_keys(cfg: AuthConfig, environ: Mapping[str, str] | None = None,
@@ -51,7 +61,9 @@ def resolve_keys(cfg: AuthConfig, environ: Mapping[str, str] | None = None,
         name = k.name or f"key-{i}"
         keys.append(ResolvedKey(name, _valid_key(_read_key(k, name, env, base_dir), name),
                                 k.requests_per_minute if k.requests_per_minute is not None else rpm,
-                                k.tokens_per_minute if k.tokens_per_minute is not None else tpm))
+                                k.tokens_per_minute if k.tokens_per_minute is not None else tpm,
+                                role=k.role, tenant=k.tenant or "",
+                                models=frozenset(k.models) if k.models is not None else None))
     if cfg.api_keys_env is not None:
         raw = env.get(cfg.api_keys_env)
         if raw is None:
@@ -108,7 +120,9 @@ class KeyStore:
     length nor which key came close."""
 
     def __init__(self, keys: Iterable[ResolvedKey]):
+        keys = list(keys)
         self._entries = [(_digest(k.key.encode()), k.name) for k in keys]
+        self.by_name = {k.name: k for k in keys}  # what a key may do (role, tenant, models)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -225,16 +239,19 @@ def _is_preflight(scope: Scope) -> bool:
 
 class AuthMiddleware:
     """``Authorization: Bearer <key>`` on every path but the public ones (and CORS preflights),
-    then the key's requests per minute. Sets ``scope["state"]["tandem_key_name"]`` for logs and
-    for ``RateLimiter.check_tokens``. ``on_reject(scope, error)`` is called on each refusal
+    then the key's role (``admin_paths`` and ``/admin/*``: 403 for a user key), then the key's
+    requests per minute. Sets ``scope["state"]["tandem_key_name"]`` (logs,
+    ``RateLimiter.check_tokens``) and ``["tandem_key"]`` (its tenant and models).
+    ``on_reject(scope, error)`` is called on each refusal
     (for metrics)."""
 
     def __init__(self, app: ASGIApp, keystore: KeyStore, limiter: RateLimiter, public_paths: Iterable[str],
-                 on_reject: Callable[[Scope, TandemError], None] | None = None):
+                 on_reject: Callable[[Scope, TandemError], None] | None = None, admin_paths: Iterable[str] = ()):
         self.app = app
         self.keystore = keystore
         self.limiter = limiter
         self.public_paths = frozenset(public_paths)
+        self.admin_paths = frozenset(admin_paths)  # only an admin key gets through (403 for a user key)
         self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -242,7 +259,12 @@ class AuthMiddleware:
             return await self.app(scope, receive, send)
         try:
             name = self._authenticate(scope)
-            scope.setdefault("state", {})["tandem_key_name"] = name
+            key = self.keystore.by_name[name]
+            state = scope.setdefault("state", {})
+            state["tandem_key_name"], state["tandem_key"] = name, key
+            if key.role != "admin" and (scope["path"] in self.admin_paths or scope["path"].startswith("/admin/")):
+                raise TandemError(ErrorKind.FORBIDDEN, f"API key {name!r} is a user key; {scope['path']} needs an "
+                                  "admin key (auth.api_keys[].role: admin)")
             self.limiter.check_request(name)
         except TandemError as err:
             logger.info("refused %s %s: %s", scope.get("method", "WEBSOCKET"), scope["path"], err.message)

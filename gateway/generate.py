@@ -73,6 +73,10 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
     if service.draining:
         raise TandemError(ErrorKind.SHUTTING_DOWN, "the server is shutting down; retry on another instance",
                           retry_after=1)
+    key_name = getattr(request.state, "tandem_key_name", None)
+    key = getattr(request.state, "tandem_key", None)
+    if key is not None and not key.may_use(intake.model):  # as if it did not exist
+        raise service.router.not_found(intake.model, key.models)
     pool = service.router.pool(intake.model)
     _check_route(pool, route)
     check_limits(intake, config.limits_for(pool.name))
@@ -119,7 +123,7 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
     if isinstance(first, str):
         metrics.ttft.labels(model).observe(now() - t0)
         if route in DONE_ROUTES:  # the hot path: unchanged
-            body_iter = sse_body(first, items, release, _chunk_observer(metrics, model))
+            body_iter = sse_body(first, items, release, _chunk_observer(metrics, model, key_name))
         else:
             body_iter = event_body(first, items, release, route)
         return StreamingResponse(body_iter, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
@@ -128,8 +132,8 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
     release()
     if isinstance(first, TandemError):
         raise first
-    if route in DONE_ROUTES:
-        metrics.observe_usage(model, first.get("usage"))
+    if isinstance(first, dict):  # what the client receives, counted to the model, its key and tenant
+        metrics.observe_usage(model, first.get("usage"), key_name)
     return JSONResponse(first, headers=headers)
 
 
@@ -246,7 +250,7 @@ def _deadline(request: Request) -> float | None:
     return ms / 1000.0
 
 
-def _chunk_observer(metrics, model: str):
+def _chunk_observer(metrics, model: str, key_name: str | None):
     last = now()
 
     def observe(chunk: str) -> None:
@@ -254,6 +258,6 @@ def _chunk_observer(metrics, model: str):
         t = now()
         metrics.chunk_gap.labels(model).observe(t - last)
         last = t
-        metrics.observe_sse(model, chunk)
+        metrics.observe_sse(model, chunk, key_name)
 
     return observe

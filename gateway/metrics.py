@@ -104,9 +104,15 @@ def mark_process_dead(pid: int) -> None:
         multiprocess.mark_process_dead(pid, path)
 
 
+ANONYMOUS = "anonymous"  # the tenant of requests when auth is off
+USAGE = (("requests", "requests"), ("prompt_tokens", "prompt tokens"), ("generation_tokens", "generated tokens"))
+
+
 class Metrics:
-    def __init__(self, models: list[str]):
+    def __init__(self, models: list[str], tenants: dict[str, str] | None = None):
+        """``tenants``: each API key's name -> its tenant (none: auth is off, one tenant)."""
         self.models = set(models)
+        self.tenant_of = dict(tenants or {})
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("tandem_requests", "HTTP requests by model, route and status class.",
@@ -159,6 +165,12 @@ class Metrics:
                 self.rejected.labels(m, reason)
             for direction in ("up", "down"):
                 self.scale_events.labels(m, direction)
+        # Usage per tenant and per key, as the clients' `usage` said (labels bounded by the config's keys).
+        self.tenant_usage = {what: Counter(f"tandem_tenant_{what}", f"{text.capitalize()} per tenant (the `usage` "
+                                           "clients received).", ["tenant", "model"], registry=r)
+                             for what, text in USAGE}
+        self.key_usage = {what: Counter(f"tandem_key_{what}", f"{text.capitalize()} per API key.", ["key", "model"],
+                                        registry=r) for what, text in USAGE}
         self._engines = _EngineCollector()
         r.register(self._engines)
         self.exposition = r  # what /metrics shows
@@ -193,21 +205,56 @@ class Metrics:
         if reason is not None:
             self.rejected.labels(model, reason).inc()
 
-    def observe_usage(self, model: str, usage: dict | None) -> None:
+    def observe_usage(self, model: str, usage: dict | None, key: str | None = None) -> None:
+        """``usage`` as a client received it (``key``: its API key's name; None: auth is off)."""
         if usage:
-            self.prompt_tokens.labels(model).inc(usage.get("prompt_tokens") or 0)
-            self.output_tokens.labels(model).inc(usage.get("completion_tokens") or 0)
+            prompt = usage.get("prompt_tokens") or usage.get("input_tokens") or 0
+            generated = usage.get("completion_tokens") or usage.get("output_tokens") or 0
+            self.prompt_tokens.labels(model).inc(prompt)
+            self.output_tokens.labels(model).inc(generated)
+            self._count(key, model, "prompt_tokens", prompt)
+            self._count(key, model, "generation_tokens", generated)
 
-    def observe_sse(self, model: str, chunk: str) -> None:
+    def observe_served(self, model: str, key: str | None) -> None:
+        """A request to ``model`` answered (whatever its status), counted to its key and tenant."""
+        self._count(key, model, "requests", 1)
+
+    def _count(self, key: str | None, model: str, what: str, n: float) -> None:
+        if not n:
+            return
+        tenant = self.tenant_of.get(key, "other") if key is not None else ANONYMOUS
+        self.tenant_usage[what].labels(tenant, model).inc(n)
+        if key is not None:
+            self.key_usage[what].labels(key if key in self.tenant_of else "other", model).inc(n)
+
+    def usage(self) -> dict:
+        """/admin/usage: every gateway process's counts (the multiprocess registry's sums)."""
+        out: dict[str, dict] = {"tenants": {}, "keys": {}}
+        names = {f"tandem_tenant_{w}_total": ("tenants", w) for w, _ in USAGE}
+        names.update({f"tandem_key_{w}_total": ("keys", w) for w, _ in USAGE})
+        for family in self.exposition.collect():
+            for sample in family.samples:
+                where = names.get(sample.name)
+                if where is None or not sample.value:
+                    continue
+                who = sample.labels.get("tenant") or sample.labels.get("key")
+                row = out[where[0]].setdefault(who, {}).setdefault(sample.labels["model"], {w: 0 for w, _ in USAGE})
+                row[where[1]] += int(sample.value)
+        return out
+
+    def observe_sse(self, model: str, chunk: str, key: str | None = None) -> None:
         """Usage is reported in the stream's last data events, when the client asked for it."""
         if '"usage"' not in chunk:
             return
         for line in chunk.split("\n"):
             if line.startswith("data: {") and '"usage"' in line:
                 try:
-                    self.observe_usage(model, json.loads(line[6:]).get("usage"))
+                    event = json.loads(line[6:])
                 except ValueError:
-                    pass
+                    continue
+                # Responses' stream: the usage is the completed response's
+                usage = event.get("usage") or (event.get("response") or {}).get("usage")
+                self.observe_usage(model, usage, key)
 
     def set_replicas(self, rows: list[tuple[str, str, str, dict | None]], states: list[str]) -> None:
         """rows: (model, replica id, state, engine stats or None)."""

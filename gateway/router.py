@@ -274,14 +274,16 @@ class Router:
         base = self.adapters.base_of(model) if self.adapters is not None else None
         pool = self.pools.get(base or self.aliases.get(model, model))
         if pool is None:
-            names = sorted([*self.pools, *self.aliases,
-                            *(self.adapters.base if self.adapters is not None else ())])
-            raise TandemError(
-                ErrorKind.MODEL_NOT_FOUND,
-                f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.",  # vLLM's words
-                "model",
-            )
+            raise self.not_found(model)
         return pool
+
+    def not_found(self, model: object, visible: Iterable[str] | None = None) -> TandemError:
+        """The 404 for ``model``, naming the models there are (``visible``: those the caller may see)."""
+        names = sorted(visible if visible is not None else
+                       [*self.pools, *self.aliases, *(self.adapters.base if self.adapters is not None else ())])
+        return TandemError(ErrorKind.MODEL_NOT_FOUND,
+                           f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.",  # vLLM's words
+                           "model")
 
     def adapter(self, model: object) -> str | None:
         """``model`` when it names a LoRA adapter, else None."""

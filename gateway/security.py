@@ -22,6 +22,7 @@ from gateway.auth import AuthMiddleware, KeyStore, RateLimiter, resolve_keys
 from gateway.limits import BodySizeLimit
 from tandem_core.config import AuthConfig, CorsConfig, LimitsConfig
 from tandem_core.errors import TandemError
+from tandem_core.protocol import ROUTE_TABLE
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def install_security(app: Any, auth: AuthConfig, limits: LimitsConfig, cors: Cor
         app.add_middleware(BodySizeLimit, max_body_bytes=limits.max_body_bytes)
     if auth.enabled:
         app.add_middleware(AuthMiddleware, keystore=KeyStore(keys), limiter=limiter, public_paths=auth.public(),
-                           on_reject=on_reject)
+                           on_reject=on_reject, admin_paths=[r.path for r in ROUTE_TABLE if r.admin])
         logger.info("API keys required on all but %s: %s", ", ".join(sorted(auth.public())),
                     ", ".join(k.name for k in keys))
     if cors.enabled:

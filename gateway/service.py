@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from gateway.adapters import Adapters
+from gateway.auth import resolve_keys
 from gateway.metrics import Metrics
 from gateway.router import ModelPool, Router
 from gateway.supervisor import Deployment, Supervisor
@@ -46,7 +47,9 @@ class Service:
         self.draining = False
         self.fatal: str | None = None  # why the service stopped at start (a replica's configuration)
         self.started_at = time.monotonic()
-        self.metrics = Metrics([m.name for m in config.models] + list(self.adapters.base))
+        tenants = ({k.name: k.tenant_name for k in resolve_keys(config.auth, base_dir=config.config_dir)}
+                   if config.auth.enabled else None)  # (the config's loader read the keys already: they resolve)
+        self.metrics = Metrics([m.name for m in config.models] + list(self.adapters.base), tenants)
         self.supervisor = Supervisor(config, deployment, self.router, self.metrics)
         self.supervisor.on_fatal = self._fatal
         self.supervisor.on_engine_started = self.adapters.on_started

@@ -41,6 +41,14 @@ class ApiKey(_Strict):
     tokens_per_minute: int | None = Field(None, ge=1, description="Estimated tokens (prompt chars / 4 + max output "
                                           "tokens x n) this key may spend per minute. None: "
                                           "auth.default_tokens_per_minute.")
+    role: Literal["user", "admin"] = Field("user", description="user: the API; admin: also the operators' routes "
+                                           "(/admin/*, /reset_prefix_cache, LoRA load and unload), which answer a "
+                                           "user key 403.")
+    tenant: str | None = Field(None, min_length=1, pattern=r"^\S(.*\S)?$", description="The tenant whose usage this "
+                               "key's requests count to (several keys may share one). Default: the key's name.")
+    models: list[str] | None = Field(None, description="The models (names, aliases, configured LoRA adapters) this "
+                                     "key may call; any other is a 404, as if it did not exist, and /v1/models lists "
+                                     "only these. None: every model.")
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> ApiKey:
@@ -193,11 +201,21 @@ class TandemConfig(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"model names and aliases must be unique; repeated: {', '.join(dupes)}")
-        adapters = [a for m in models for a in m.lora_modules]
+        adapters = [a for m in models for a in m.lora_modules]  # (API keys' `models` are checked in TandemConfig)
         clash = sorted({a for a in adapters if adapters.count(a) > 1 or a in names})
         if clash:
             raise ValueError(f"a LoRA adapter's name must name no model nor another adapter: {', '.join(clash)}")
         return models
+
+    @model_validator(mode="after")
+    def _key_models_exist(self) -> TandemConfig:
+        known = {n for m in self.models for n in (*m.served_names, *m.lora_modules)}
+        for i, key in enumerate(self.auth.api_keys):
+            unknown = sorted(set(key.models or ()) - known)
+            if unknown:
+                raise ValueError(f"auth.api_keys.{i}.models: not a model, alias or adapter of this config: "
+                                 f"{', '.join(unknown)}")
+        return self
 
     def model(self, name: str) -> ModelConfig | None:
         """The model ``name`` names (its name, not an alias)."""

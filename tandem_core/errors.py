@@ -24,6 +24,7 @@ class ErrorKind(str, Enum):
     SHUTTING_DOWN = "shutting_down"
     NO_REPLICA = "no_replica"  # the model has no live replica
     UNAUTHORIZED = "unauthorized"  # no or a wrong API key
+    FORBIDDEN = "forbidden"  # a key whose role may not use this route
     RATE_LIMITED = "rate_limited"  # the key's requests or tokens per minute are spent
     REQUEST_TOO_LARGE = "request_too_large"  # the body is over limits.max_body_bytes
     REQUEST_TIMEOUT = "request_timeout"  # over limits.request_timeout_s
@@ -41,6 +42,7 @@ STATUS_TABLE: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
     ErrorKind.OVERLOADED: (429, "rate_limit_error"),
     ErrorKind.UNAUTHORIZED: (401, "authentication_error"),
+    ErrorKind.FORBIDDEN: (403, "permission_error"),
     ErrorKind.RATE_LIMITED: (429, "rate_limit_error"),
     ErrorKind.REQUEST_TOO_LARGE: (413, "invalid_request_error"),
     ErrorKind.REQUEST_TIMEOUT: (504, "timeout_error"),

@@ -36,8 +36,9 @@ class RouteSpec:
     ``generates``: it generates tokens (the others cost the gateway's token
     budgets only their input); ``done``: its streams are OpenAI's ``data:`` events ending in
     ``[DONE]``; ``timed``: its duration is a histogram (``tandem_request_duration_seconds``);
-    ``doc``: its description in the OpenAPI document. Every path here is its own ``route`` label
-    in the metrics (others: ``other``)."""
+    ``doc``: its description in the OpenAPI document; ``admin``: only an admin key may call it
+    (with auth on: operators' routes that show every tenant or change shared state). Every path
+    here is its own ``route`` label in the metrics (others: ``other``)."""
 
     name: str
     method: str
@@ -47,6 +48,7 @@ class RouteSpec:
     done: bool = False
     timed: bool = False
     doc: str = ""
+    admin: bool = False
 
 
 # The one route table: the app registers the engine routes from it, metrics take their labels from it.
@@ -86,17 +88,23 @@ ROUTE_TABLE: tuple[RouteSpec, ...] = (
     RouteSpec("models", "GET", "/v1/models", doc="The served models (and their replicas' limits)."),
     RouteSpec("model", "GET", "/v1/models/{model_id:path}", doc="One served model."),
     RouteSpec("metrics", "GET", "/metrics", doc="Prometheus metrics (when no separate metrics port is set)."),
-    RouteSpec("replicas", "GET", "/admin/replicas", doc="Each replica's state and its engine's own counters "
+    RouteSpec("replicas", "GET", "/admin/replicas", admin=True,
+              doc="Each replica's state and its engine's own counters "
               "(running requests...); per model, the replicas desired (autoscaling) vs running, pending and "
               "draining."),
-    RouteSpec("reset_prefix_cache", "POST", "/reset_prefix_cache", doc="vLLM's route (its dev mode): each live "
+    RouteSpec("reset_prefix_cache", "POST", "/reset_prefix_cache", admin=True,
+              doc="vLLM's route (its dev mode): each live "
               "replica (of `model`, else of every model) drops the cached prompt pages no request holds. "
               "`{\"success\": false}` while running requests still hold cached pages, as vLLM answers: retry."),
-    RouteSpec("load_lora_adapter", "POST", "/v1/load_lora_adapter", doc="vLLM's route: load a LoRA adapter "
+    RouteSpec("load_lora_adapter", "POST", "/v1/load_lora_adapter", admin=True,
+              doc="vLLM's route: load a LoRA adapter "
               "(`lora_name`, `lora_path`; tandem: `model` names the base when several serve adapters) onto every "
               "replica of its base model, and onto replicas that start later or restart."),
-    RouteSpec("unload_lora_adapter", "POST", "/v1/unload_lora_adapter", doc="vLLM's route: unload a LoRA adapter "
+    RouteSpec("unload_lora_adapter", "POST", "/v1/unload_lora_adapter", admin=True,
+              doc="vLLM's route: unload a LoRA adapter "
               "(`lora_name`) from every replica of its base model."),
+    RouteSpec("usage", "GET", "/admin/usage", admin=True, doc="Requests and tokens (as the clients' `usage` "
+              "said) per tenant and per API key, by model, summed over every gateway process."),
     RouteSpec("health", "GET", "/health", doc="Liveness: the gateway process answers."),
     RouteSpec("ready", "GET", "/ready", doc="Readiness: some model has a healthy replica (a model without one "
               "answers its own requests 503, never taking the others out of service); `?model=NAME` (repeatable): "

@@ -22,7 +22,7 @@ def _client(url, key):
 
 @pytest.fixture(scope="module")
 def secured():
-    extra = {"auth": {"api_keys": [{"key": KEY, "name": "team-a"},
+    extra = {"auth": {"api_keys": [{"key": KEY, "name": "team-a", "role": "admin"},
                                    {"key": OTHER_KEY, "name": "team-b", "requests_per_minute": 60}]},
              "limits": {"max_body_bytes": 64 * 1024, "max_messages": 8, "max_n": 2, "max_tokens_ceiling": 100,
                         "max_prompt_chars": 2000, "max_json_depth": 16},
