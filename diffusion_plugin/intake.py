@@ -41,6 +41,7 @@ class SeqRequest:
     include_stop: bool = False  # vLLM's include_stop_str_in_output
     keep_special: bool = False  # vLLM's skip_special_tokens: false
     cache_salt: str | None = None  # vLLM's: the prefix cache shares pages only under one salt
+    priority: int = 0  # vLLM's: waiting rows are admitted most urgent first
     grammar: object | None = None  # a structured output's compiled grammar (``diffusion_plugin.grammar``)
     raw_text: bool = False  # a parser reads the text: special tokens kept, whole tokens (``chunks.ChoiceText``)
     more_prompts: list[list[int]] = field(default_factory=list)  # completions: the prompts after the first
@@ -69,7 +70,7 @@ class SeqRequest:
                                                previews=self.previews, logprobs=self.logprobs,
                                                **self.sampling, **knobs),
                          images=self.images, grammar=self.grammar, score_ids=list(prompt[1:]) if scoring else [],
-                         score_k=self.score_k or 0, cache_salt=self.cache_salt)
+                         score_k=self.score_k or 0, cache_salt=self.cache_salt, priority=self.priority)
                 for p, prompt in enumerate(self.prompts) for i in range(self.n)]
 
 
@@ -132,6 +133,7 @@ class Intake:
                           include_stop=bool(getattr(req, "include_stop_str_in_output", False)),
                           keep_special=not getattr(req, "skip_special_tokens", True), more_prompts=more,
                           sampling=sampling, score_k=score_k, cache_salt=getattr(req, "cache_salt", None),
+                          priority=getattr(req, "priority", 0) or 0,
                           echo=bool(getattr(req, "echo", False)), prompt_logprobs=req.prompt_logprobs is not None
                           if hasattr(req, "prompt_logprobs") else False)
 

@@ -176,6 +176,7 @@ class _Base(BaseModel):
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prompts under different salts share nothing
+    priority: StrictInt = 0  # vLLM's: lower is more urgent; the scheduler admits waiting rows by it
     stop: str | list[str] | None = None
     n: StrictInt = 1  # 1..MAX_N (``check``: vLLM's words)
     stream: bool = False

@@ -99,6 +99,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float = 0.0
+    priority: int = 0  # vLLM's: lower is more urgent (waiting rows are admitted by it, then by arrival)
     status: SeqStatus = SeqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     block: int = 0  # blocks committed so far

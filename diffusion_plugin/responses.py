@@ -59,6 +59,7 @@ class ResponsesBody(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # vLLM's range (int64)
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prompts under different salts share nothing
+    priority: int = Field(0, strict=True)  # vLLM's: lower is more urgent (the scheduler's order)
     top_p: float | None = Field(None, gt=0, le=1)  # vLLM's sampling field (``diffusion_plugin.filters``)
     stream: bool = False
     text: dict[str, Any] | None = None

@@ -106,7 +106,11 @@ class Scheduler:
             self._done.append(Finished(seq))
             return
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        # By priority, then arrival (vLLM's order): before the first waiting row that is less
+        # urgent. Running rows are never preempted: a block ends within max_denoising_steps, and
+        # the gateway's admission already lets urgent requests past a bulk queue.
+        at = next((i for i, w in enumerate(self.waiting) if w.priority > seq.priority), len(self.waiting))
+        self.waiting.insert(at, seq)
 
     def abort(self, seq_id: str, status: SeqStatus = SeqStatus.FINISHED_ABORTED) -> None:
         """Takes effect at the next ``schedule()``, before any further forward."""

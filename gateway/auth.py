@@ -41,6 +41,9 @@ class ResolvedKey:
     role: str = "user"  # or "admin": the operators' routes too
     tenant: str = ""  # whose usage its requests count to ("": the key's name)
     models: frozenset[str] | None = None  # the models it may call (None: every one)
+    priority: int = 0  # of its requests that name none
+    min_priority: int | None = None  # the most urgent it may use
+    weight: float = 1.0  # its tenant's fair share
 
     @property
     def tenant_name(self) -> str:
@@ -63,7 +66,8 @@ def resolve_keys(cfg: AuthConfig, environ: Mapping[str, str] | None = None,
                                 k.requests_per_minute if k.requests_per_minute is not None else rpm,
                                 k.tokens_per_minute if k.tokens_per_minute is not None else tpm,
                                 role=k.role, tenant=k.tenant or "",
-                                models=frozenset(k.models) if k.models is not None else None))
+                                models=frozenset(k.models) if k.models is not None else None,
+                                priority=k.priority, min_priority=k.min_priority, weight=k.weight))
     if cfg.api_keys_env is not None:
         raw = env.get(cfg.api_keys_env)
         if raw is None:

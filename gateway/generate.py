@@ -17,11 +17,11 @@ from gateway.intake import Intake, parse_json, take_in
 from gateway.limits import check_limits
 from gateway.metrics import now
 from gateway.replicas import Replica
-from gateway.router import ModelPool, Slot, request_cost
+from gateway.router import NO_CLAIM, Claim, ModelPool, Slot, request_cost
 from gateway.service import Service
 from gateway.streaming import ClientGone, event_body, sse_body, until_disconnect
 from tandem_core.errors import ErrorKind, TandemError, invalid, request_timeout
-from tandem_core.protocol import DONE_ROUTES, route_not_served
+from tandem_core.protocol import DONE_ROUTES, ROUTE_SPECS, route_not_served
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +74,10 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
         raise TandemError(ErrorKind.SHUTTING_DOWN, "the server is shutting down; retry on another instance",
                           retry_after=1)
     key_name = getattr(request.state, "tandem_key_name", None)
-    key = getattr(request.state, "tandem_key", None)
-    if key is not None and not key.may_use(intake.model):  # as if it did not exist
-        raise service.router.not_found(intake.model, key.models)
+    api_key = getattr(request.state, "tandem_key", None)
+    if api_key is not None and not api_key.may_use(intake.model):  # as if it did not exist
+        raise service.router.not_found(intake.model, api_key.models)
+    claim = claim_of(body, api_key, route)
     pool = service.router.pool(intake.model)
     _check_route(pool, route)
     check_limits(intake, config.limits_for(pool.name))
@@ -91,8 +92,9 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
     tried: list[str] = []
     while True:
         waited = now()
-        slot = await _acquire(pool, request, timeout_at, cost, key, tried + others, prefix, adapter)
+        slot = await _acquire(pool, request, timeout_at, cost, key, tried + others, prefix, adapter, claim)
         metrics.queue_wait.labels(model).observe(now() - waited)
+        metrics.observe_admitted(model, claim.priority, now() - waited)
         metrics.in_flight.labels(model).inc()
         release = _releaser(pool, slot, metrics, model)
         request_id = (response_id(slot.replica.id) if route == "responses" else engine_request_id(request, route))
@@ -187,18 +189,40 @@ def _timeout_at(timeout_s: float | None) -> float | None:
     return None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
 
 
+def claim_of(body: dict, api_key, route: str) -> Claim:
+    """The request's priority (its body's vLLM ``priority``, else its key's default, raised to
+    the key's ``min_priority``), tenant and weight. A generating request's body then carries the
+    priority to the engine (vLLM's priority scheduling; the diffusion scheduler's order)."""
+    asked = body.get("priority")
+    if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool)):
+        raise invalid("priority: an integer (lower is more urgent)", "priority")
+    if api_key is None:
+        priority = asked or 0
+        claim = Claim(priority) if priority else NO_CLAIM
+    else:
+        priority = api_key.priority if asked is None else asked
+        if api_key.min_priority is not None and priority < api_key.min_priority:
+            priority = api_key.min_priority  # raised, never refused
+        claim = Claim(priority, api_key.tenant_name, api_key.weight)
+    if priority != (asked or 0) and ROUTE_SPECS[route].generates:
+        body["priority"] = priority
+    return claim
+
+
 async def _acquire(pool: ModelPool, request: Request, timeout_at: float | None, cost: float, key: str | None,
-                   tried: list[str], prefix: tuple[int, ...] = (), adapter: str | None = None) -> Slot:
+                   tried: list[str], prefix: tuple[int, ...] = (), adapter: str | None = None,
+                   claim: Claim = NO_CLAIM) -> Slot:
     """A slot, waiting in the queue no longer than the client's deadline header nor what is left
     of the request timeout (504 when that is what ran out)."""
     queue_deadline = _deadline(request)
+    kw = {"cost": cost, "key": key, "exclude": tried, "prefix": prefix, "adapter": adapter, "claim": claim}
     if timeout_at is None:
-        return await pool.acquire(queue_deadline, cost=cost, key=key, exclude=tried, prefix=prefix, adapter=adapter)
+        return await pool.acquire(queue_deadline, **kw)
     left = max(0.0, timeout_at - asyncio.get_running_loop().time())
     if queue_deadline is not None and queue_deadline <= left:
-        return await pool.acquire(queue_deadline, cost=cost, key=key, exclude=tried, prefix=prefix, adapter=adapter)
+        return await pool.acquire(queue_deadline, **kw)
     try:
-        return await pool.acquire(left, cost=cost, key=key, exclude=tried, prefix=prefix, adapter=adapter)
+        return await pool.acquire(left, **kw)
     except TandemError as e:
         if e.kind is ErrorKind.QUEUE_TIMEOUT:
             raise request_timeout() from None

@@ -69,6 +69,7 @@ class HealthMonitor:
             self.metrics.set_replicas(rows, [s.value for s in ReplicaState])
             for name, pool in self.router.pools.items():
                 self.metrics.queued.labels(name).set(pool.queued)
+                self.metrics.set_queued_by_class(name, pool.admission.queued_by_priority())
                 self.metrics.set_scaling(name, views.replica_counts(pool))
             await asyncio.sleep(interval)
 

@@ -105,6 +105,13 @@ def mark_process_dead(pid: int) -> None:
 
 
 ANONYMOUS = "anonymous"  # the tenant of requests when auth is off
+PRIORITY_CLASSES = ("urgent", "default", "bulk")
+
+
+def priority_class(priority: int) -> str:
+    """A bounded label for vLLM's unbounded integer priority."""
+    return "urgent" if priority < 0 else "default" if priority == 0 else "bulk"
+
 USAGE = (("requests", "requests"), ("prompt_tokens", "prompt tokens"), ("generation_tokens", "generated tokens"))
 
 
@@ -171,6 +178,11 @@ class Metrics:
                              for what, text in USAGE}
         self.key_usage = {what: Counter(f"tandem_key_{what}", f"{text.capitalize()} per API key.", ["key", "model"],
                                         registry=r) for what, text in USAGE}
+        self.admitted_wait = Histogram("tandem_admission_wait_seconds", "Time from arrival to a replica slot, by "
+                                       "priority class (urgent < 0, default 0, bulk > 0).", ["model", "priority_class"],
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.queued_by_class = Gauge("tandem_admission_queued", "Requests waiting in the gateway, by priority class.",
+                                     ["model", "priority_class"], registry=r, multiprocess_mode="livesum")
         self._engines = _EngineCollector()
         r.register(self._engines)
         self.exposition = r  # what /metrics shows
@@ -214,6 +226,16 @@ class Metrics:
             self.output_tokens.labels(model).inc(generated)
             self._count(key, model, "prompt_tokens", prompt)
             self._count(key, model, "generation_tokens", generated)
+
+    def set_queued_by_class(self, model: str, by_priority: dict[int, int]) -> None:
+        counts = dict.fromkeys(PRIORITY_CLASSES, 0)
+        for priority, n in by_priority.items():
+            counts[priority_class(priority)] += n
+        for cls, n in counts.items():
+            self.queued_by_class.labels(model, cls).set(n)
+
+    def observe_admitted(self, model: str, priority: int, waited_s: float) -> None:
+        self.admitted_wait.labels(model, priority_class(priority)).observe(waited_s)
 
     def observe_served(self, model: str, key: str | None) -> None:
         """A request to ``model`` answered (whatever its status), counted to its key and tenant."""

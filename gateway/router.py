@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from gateway.admission import DEFAULT_TENANT, Admission, Ticket
 from gateway.choosers import AdapterAffinity, Affinity, PrefixChooser, p2c
 from gateway.intake import Intake
 from gateway.prefix import PrefixIndex
@@ -58,6 +59,19 @@ class Slot:
     cost: float = 1.0
 
 
+@dataclass(frozen=True)
+class Claim:
+    """Who asks for a slot, for admission (``gateway/admission.py``): the request's priority
+    (vLLM's field: lower is more urgent), its tenant and the tenant's weight."""
+
+    priority: int = 0
+    tenant: str = DEFAULT_TENANT
+    weight: float = 1.0
+
+
+NO_CLAIM = Claim()
+
+
 @dataclass(eq=False)
 class _Waiter:
     cost: float
@@ -65,14 +79,17 @@ class _Waiter:
     exclude: frozenset[str]
     prefix: Sequence[int] = ()
     adapter: str | None = None
+    claim: Claim = NO_CLAIM
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    ticket: Ticket | None = None
 
 
 class ModelPool:
     def __init__(self, name: str, kind: str, replicas: list[Replica] | None = None,
                  max_in_flight: int | None = None, max_queue: int = 256, affinity_load_factor: float | None = None,
                  rng: random.Random | None = None, routing: str = "p2c", prefix_load_factor: float = 1.25,
-                 prefix_index_blocks: int | None = None, adapter_slots: int | None = None):
+                 prefix_index_blocks: int | None = None, adapter_slots: int | None = None,
+                 reserve: int = 0, promote_after_s: float | None = 30.0):
         self.name = name
         self.kind = kind
         self.replicas: list[Replica] = []
@@ -86,7 +103,11 @@ class ModelPool:
         self.prefix = PrefixChooser(prefix_load_factor, prefix_index_blocks) if routing == "prefix" else None
         # LoRA adapters served on this base: prefer replicas holding a request's adapter (None: none served)
         self.adapters = AdapterAffinity(adapter_slots) if adapter_slots is not None else None
-        self._waiters: deque[_Waiter] = deque()
+        # Who goes next when every slot is taken: priority, then tenants' fair shares, then arrival.
+        self.admission = Admission(promote_after_s)
+        # Slots of each replica (of max_in_flight) that requests of priority > 0 may not take, so
+        # that an urgent request finds one free under a flood of lower ones.
+        self.reserve = min(reserve, max_in_flight - 1) if max_in_flight is not None else 0
         self._completions: deque[float] = deque()
         for r in replicas or ():
             self.add(r)
@@ -111,10 +132,12 @@ class ModelPool:
 
     @property
     def queued(self) -> int:
-        return len(self._waiters)
+        return len(self.admission)
 
-    def _has_room(self, r: Replica) -> bool:
-        return self.max_in_flight is None or r.outstanding < self.max_in_flight
+    def _has_room(self, r: Replica, priority: int = 0) -> bool:
+        if self.max_in_flight is None:
+            return True
+        return r.outstanding < self.max_in_flight - (self.reserve if priority > 0 else 0)
 
     def prefix_blocks(self, intake: Intake) -> tuple[int, ...]:
         """What ``acquire`` needs to route ``intake`` by prefix: its prompt's block hashes under
@@ -128,11 +151,12 @@ class ModelPool:
                 chooser.drop(replica_id)
 
     def _choose(self, cost: float, key: str | None, exclude: Iterable[str] = (),
-                prefix: Sequence[int] = (), adapter: str | None = None) -> Replica | None:
-        """The replica for one more request now, or None if every healthy one is full.
+                prefix: Sequence[int] = (), adapter: str | None = None, priority: int = 0) -> Replica | None:
+        """The replica for one more request now, or None if every healthy one is full (for a
+        request of ``priority`` > 0: all but the reserved slots).
         ``exclude`` (a retry's failed replica) is avoided when another one has room."""
         healthy = self.healthy()
-        free = [r for r in healthy if self._has_room(r)]
+        free = [r for r in healthy if self._has_room(r, priority)]
         preferred = [r for r in free if r.id not in exclude]
         candidates = preferred or free
         if not candidates:
@@ -179,25 +203,27 @@ class ModelPool:
         while self._completions and now - self._completions[0] > RATE_WINDOW_S:
             self._completions.popleft()
         rate = len(self._completions) / RATE_WINDOW_S
-        wait = (len(self._waiters) + 1) / rate if rate > 0 else 1.0
+        wait = (len(self.admission) + 1) / rate if rate > 0 else 1.0
         return TandemError(ErrorKind.OVERLOADED,
-                           f"model {self.name!r} is at capacity ({len(self._waiters)} requests queued); retry later",
+                           f"model {self.name!r} is at capacity ({len(self.admission)} requests queued); retry later",
                            retry_after=max(1, min(60, math.ceil(wait))))
 
     async def acquire(self, deadline_s: float | None = None, cost: float = 1.0, key: str | None = None,
-                      exclude: Iterable[str] = (), prefix: Sequence[int] = (), adapter: str | None = None) -> Slot:
+                      exclude: Iterable[str] = (), prefix: Sequence[int] = (), adapter: str | None = None,
+                      claim: Claim = NO_CLAIM) -> Slot:
         """A slot on a replica, counted there until ``release``. ``prefix``: the prompt's block
-        hashes (``prefix_blocks``) under ``routing: prefix``. Raises 503 (no live replica), 429
+        hashes (``prefix_blocks``) under ``routing: prefix``; ``claim``: its priority and tenant
+        (``gateway/admission.py`` orders the waiters by them). Raises 503 (no live replica), 429
         (queue full) or 408 (waited past ``deadline_s``)."""
         exclude = frozenset(exclude)
-        if not self._waiters:  # FIFO: nobody may overtake a waiter
-            replica = self._choose(cost, key, exclude, prefix, adapter)
+        if self.admission.goes_before_every_waiter(claim.priority, time.monotonic()):
+            replica = self._choose(cost, key, exclude, prefix, adapter, claim.priority)
             if replica is not None:
                 return self._take(replica, cost, prefix, adapter)
         self._no_live_replica()
-        if len(self._waiters) >= self.max_queue:
+        if len(self.admission) >= self.max_queue:
             raise self._overloaded()
-        return await self._wait(_Waiter(cost, key, exclude, prefix, adapter), deadline_s)
+        return await self._wait(_Waiter(cost, key, exclude, prefix, adapter, claim), deadline_s)
 
     def _take(self, replica: Replica, cost: float, prefix: Sequence[int] = (), adapter: str | None = None) -> Slot:
         if adapter is not None and self.adapters is not None:
@@ -210,7 +236,10 @@ class ModelPool:
 
     async def _wait(self, waiter: _Waiter, deadline_s: float | None) -> Slot:
         fut = waiter.future
-        self._waiters.append(waiter)
+        c = waiter.claim
+        waiter.ticket = self.admission.push(Ticket(waiter, c.priority, c.tenant, c.weight, waiter.cost,
+                                                   time.monotonic()))
+        self.wake()  # a waiter more urgent than those ahead may take a free slot at once
         try:
             return await asyncio.wait_for(asyncio.shield(fut), deadline_s)
         except TimeoutError:
@@ -221,8 +250,7 @@ class ModelPool:
                 self._give_back(fut.result())
             raise
         finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
+            self.admission.remove(waiter.ticket)
             if not fut.done():
                 fut.cancel()
 
@@ -236,17 +264,20 @@ class ModelPool:
         self.wake()
 
     def wake(self) -> None:
-        """Hand free slots to the oldest waiters (FIFO), reserving each slot for its waiter.
-        Called when a request ends and when a replica becomes healthy."""
-        while self._waiters:
-            waiter = self._waiters[0]
+        """Hand free slots to the waiters admission puts first (priority, then fair shares, then
+        arrival), reserving each slot for its waiter. Called when a request ends, when a replica
+        becomes healthy and when a request starts waiting."""
+        now = time.monotonic()
+        while (ticket := self.admission.peek(now)) is not None:
+            waiter: _Waiter = ticket.item
             if waiter.future.done():  # cancelled or timed out; its own cleanup removes it
-                self._waiters.popleft()
+                self.admission.remove(ticket)
                 continue
-            target = self._choose(waiter.cost, waiter.key, waiter.exclude, waiter.prefix, waiter.adapter)
+            priority = min(ticket.priority, 0) if self.admission.promoted(ticket, now) else ticket.priority
+            target = self._choose(waiter.cost, waiter.key, waiter.exclude, waiter.prefix, waiter.adapter, priority)
             if target is None:
                 return
-            self._waiters.popleft()
+            self.admission.pop(now)
             waiter.future.set_result(self._take(target, waiter.cost, waiter.prefix, waiter.adapter))
 
     def fail_waiters_if_no_replica(self) -> None:
@@ -254,8 +285,9 @@ class ModelPool:
         get, at once, instead of waiting for a restart that may take minutes."""
         if self.healthy():
             return
-        while self._waiters:
-            fut = self._waiters.popleft().future
+        for ticket in self.admission.tickets():
+            self.admission.remove(ticket)
+            fut = ticket.item.future
             if not fut.done():
                 fut.set_exception(self._no_replica_error())
 

@@ -41,7 +41,8 @@ class Service:
                       max_queue=config.gateway.max_queue,
                       affinity_load_factor=m.session_affinity.load_factor if m.session_affinity.enabled else None,
                       routing=m.routing,
-                      adapter_slots=int(m.engine_args.get("max_loras", 1)) if m.lora_enabled else None)
+                      adapter_slots=int(m.engine_args.get("max_loras", 1)) if m.lora_enabled else None,
+                      reserve=config.gateway.priority_reserve, promote_after_s=config.gateway.promote_after_s)
             for m in config.models], self.adapters,
             aliases={alias: m.name for m in config.models for alias in m.aliases})
         self.draining = False

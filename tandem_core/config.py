@@ -46,9 +46,23 @@ class ApiKey(_Strict):
                                            "user key 403.")
     tenant: str | None = Field(None, min_length=1, pattern=r"^\S(.*\S)?$", description="The tenant whose usage this "
                                "key's requests count to (several keys may share one). Default: the key's name.")
+    priority: int = Field(0, description="The priority of this key's requests that name none (vLLM's `priority`: "
+                          "lower is more urgent; e.g. 10 for a bulk key): admission serves more urgent requests "
+                          "first, and the engines schedule by it.")
+    min_priority: int | None = Field(None, description="The most urgent priority this key may use: a request asking "
+                                     "for a more urgent one is raised to it, never refused. None: any.")
+    weight: float = Field(1.0, gt=0, description="This key's tenant's share of a model's slots against other tenants "
+                          "of the same priority (weighted fair shares: weights 1 and 3 get 1:3 when both wait; a "
+                          "tenant alone gets every slot). Keys of one tenant must agree.")
     models: list[str] | None = Field(None, description="The models (names, aliases, configured LoRA adapters) this "
                                      "key may call; any other is a 404, as if it did not exist, and /v1/models lists "
                                      "only these. None: every model.")
+
+    @model_validator(mode="after")
+    def _priority_within_bound(self) -> ApiKey:
+        if self.min_priority is not None and self.priority < self.min_priority:
+            raise ValueError(f"priority ({self.priority}) is more urgent than min_priority ({self.min_priority})")
+        return self
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> ApiKey:
@@ -151,6 +165,12 @@ class GatewayConfig(_Strict):
         "for this long is stuck: its requests fail and it is restarted.")
     max_queue: int = Field(256, ge=0, description="Requests per model that may wait for a replica slot; "
                            "beyond, 429 with Retry-After.")
+    priority_reserve: int = Field(1, ge=0, description="Slots of each replica (of max_in_flight_per_replica) that "
+                                  "requests of priority > 0 (bulk) may not take, so that a request of priority <= 0 "
+                                  "finds one free under a bulk flood (at most max_in_flight_per_replica - 1).")
+    promote_after_s: float | None = Field(30, gt=0, description="A request waiting this long in the gateway's "
+                                          "queue goes before every priority (oldest first): nothing starves. None: "
+                                          "never promoted.")
     drain_timeout_s: float = Field(30, ge=0, description="On SIGTERM: how long in-flight requests may take to "
                                    "finish (readiness is false and new requests are refused meanwhile).")
     channel: Literal["socket", "ray"] = Field(
@@ -215,6 +235,16 @@ class TandemConfig(_Strict):
             if unknown:
                 raise ValueError(f"auth.api_keys.{i}.models: not a model, alias or adapter of this config: "
                                  f"{', '.join(unknown)}")
+        return self
+
+    @model_validator(mode="after")
+    def _one_weight_per_tenant(self) -> TandemConfig:
+        weights: dict[str, float] = {}
+        for i, key in enumerate(self.auth.api_keys):
+            tenant = key.tenant or key.name or f"key-{i}"
+            if weights.setdefault(tenant, key.weight) != key.weight:
+                raise ValueError(f"auth.api_keys.{i}.weight: tenant {tenant!r} has keys of weights "
+                                 f"{weights[tenant]:g} and {key.weight:g}; give its keys one weight")
         return self
 
     def model(self, name: str) -> ModelConfig | None:

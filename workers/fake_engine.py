@@ -48,6 +48,7 @@ class FakeEngine:
         self.running: set[str] = set()
         self.aborted: list[str] = []
         self.served: list[str] = []
+        self.priorities: list[int] = []  # each generation request's `priority`, in arrival order
         self.responses_store: dict[str, dict] = {}  # this replica's stored responses, by id
 
     def _file_fault(self) -> str | None:
@@ -162,6 +163,7 @@ class FakeEngine:
             return
         if adapter is not None:
             self.lora_requests[adapter] = self.lora_requests.get(adapter, 0) + 1
+        self.priorities.append(body.get("priority", 0))  # what the gateway passed on (vLLM's field)
         n_prompt = len(prompt.split())
         if n_prompt > self.max_model_len:
             yield TandemError(ErrorKind.CONTEXT_TOO_LONG, "prompt too long", "messages" if chat else "prompt")

@@ -35,6 +35,9 @@ def build_vllm_args(model: str, source: str, engine_args: dict[str, Any],
     if lora_modules:
         argv += ["--enable-lora", "--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
     args = parser.parse_args(argv)
+    # The gateway's admission orders by vLLM's `priority` and passes it on: the engine schedules
+    # by it too (with every priority 0 this is first come, first served, as vLLM's default).
+    args.scheduling_policy = "priority"
     for key, value in engine_args.items():
         if not hasattr(args, key):
             raise ValueError(f"engine_args.{key}: not a vLLM engine or serving argument")
