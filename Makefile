@@ -29,7 +29,7 @@ prometheus:
 	@command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; }
 
 test: models prometheus
-	$(BIN)/ruff check tandem_core workers diffusion_plugin gateway tandem_tools tests
+	$(BIN)/ruff check tandem_core workers diffusion_plugin gateway tandem_tools tests deploy
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 unit: setup

@@ -141,6 +141,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return bench_prefix.main(args)
     if args.mode == "diffusion-prefix":
         return bench_diffusion_prefix.main(args)
+    if args.mode == "tenants":
+        from tandem_tools import bench_tenants
+
+        return bench_tenants.main(args.extra)
     return bench.main(args)
 
 
@@ -203,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and not (args.command == "serve" and args.model is not None):
+    if extra and not (args.command == "serve" and args.model is not None) and not (
+            args.command == "bench" and args.mode == "tenants"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra  # `tandem serve MODEL`: vLLM's other serve flags (serve_model.vllm_flags checks them)
     _setup_logging(args.log_level)
