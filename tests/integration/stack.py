@@ -115,3 +115,21 @@ def running_stack(config: dict, tmp: Path) -> Iterator[Stack]:
         yield s
     finally:
         stop(proc)
+
+
+@contextmanager
+def ray_cluster(head: dict, nodes: list[dict]) -> Iterator[tuple[object, list]]:
+    """A Ray cluster of several nodes on this machine (``ray.cluster_utils``: fake GPUs allowed),
+    this process connected to it: (cluster, the added nodes). Shut down on exit."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args=head)
+    added = [c.add_node(**n) for n in nodes]
+    ray.init(address=c.address)
+    c.wait_for_nodes()
+    try:
+        yield c, added
+    finally:
+        ray.shutdown()
+        c.shutdown()

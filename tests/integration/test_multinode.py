@@ -10,24 +10,15 @@ import threading
 import httpx
 import pytest
 
+from tests.integration.stack import ray_cluster
 from tests.unit.gateway_server import fake_gateway, stream_outcome
 from tests.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
-    nodes = [c.add_node(num_cpus=1, num_gpus=1) for _ in range(2)]
-    ray.init(address=c.address)
-    c.wait_for_nodes()
-    try:
-        yield c, nodes
-    finally:
-        ray.shutdown()
-        c.shutdown()
+    with ray_cluster({"num_cpus": 1, "num_gpus": 0}, [{"num_cpus": 1, "num_gpus": 1}] * 2) as c:
+        yield c
 
 
 def _short(url: str) -> str:
