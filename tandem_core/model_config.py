@@ -135,6 +135,26 @@ class ModelConfig(Strict):
 
     @model_validator(mode="before")
     @classmethod
+    def _cpu_parallelism_uses_processes(cls, data: Any) -> Any:
+        """vLLM's CPU platform has no Ray executor ("current platform cpu does not support ray"),
+        and vLLM picks Ray inside a placement group: a CPU replica split over several workers runs
+        them as vLLM's own processes (`mp`) unless its engine_args say otherwise."""
+        if not (isinstance(data, dict) and data.get("kind") == ModelKind.AUTOREGRESSIVE.value):
+            return data
+        resources, args = data.get("resources", {}), data.get("engine_args", {})
+        gpus = resources.get("num_gpus", 1) if isinstance(resources, dict) else 1
+        if not isinstance(args, dict) or gpus != 0:
+            return data
+        n = 1
+        for key in PARALLEL_ARGS:
+            v = args.get(key, 1)
+            n *= v if isinstance(v, int) and v >= 1 else 1
+        if n > 1 and "distributed_executor_backend" not in args:
+            data = {**data, "engine_args": {**args, "distributed_executor_backend": "mp"}}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _diffusion_follows_its_hardware(cls, data: Any) -> Any:
         """A diffusion replica that holds a GPU runs on it, with the fast sampler (the exact one is
         HF's per-row calls, made for parity, not for a GPU), unless its engine_args say otherwise;

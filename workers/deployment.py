@@ -45,7 +45,9 @@ def with_resolved_adapters(model: ModelConfig, models_dir: Path) -> ModelConfig:
 
 
 def local_ray_cpus(config: TandemConfig) -> int:
-    needed = sum(_most_replicas(m) * m.resources.num_cpus for m in config.models)
+    """CPUs of a local Ray: enough for every replica (a placement group's bundles included)."""
+    needed = sum(_most_replicas(m) * (sum(b.get("CPU", 0) for b in group_bundles(m)) if m.devices_per_replica > 1
+                                      else m.resources.num_cpus) for m in config.models)
     return max(int(needed + 0.999), os.cpu_count() or 1)
 
 
