@@ -8,6 +8,7 @@ import pytest
 from diffusion_plugin.memory import PAGE_TOKENS
 from tests.integration.stack import REPO, running_stack
 from tests.unit.gateway_server import free_port
+from tests.waiting import wait_for
 
 MODEL = "tiny-diffusiongemma"
 PAGE = PAGE_TOKENS  # the diffusion KV page
@@ -33,9 +34,18 @@ def _system(tenant: int) -> str:
 
 
 def _counters(stack) -> dict[str, tuple[int, int]]:
-    rows = httpx.get(stack.url + "/admin/replicas", timeout=30).json()["replicas"]
-    return {r["id"]: (r["engine"]["prefix_cache_queries"], r["engine"]["prefix_cache_hits"]) for r in rows
-            if r["model"] == MODEL}
+    """Each replica's prefix-cache counters. A replica whose stats call timed out (5 s: a loaded
+    box) shows ``engine_error`` instead of ``engine`` for that look: look again."""
+    found: dict = {}
+
+    def read() -> bool:
+        rows = [r for r in httpx.get(stack.url + "/admin/replicas", timeout=30).json()["replicas"]
+                if r["model"] == MODEL]
+        found["rows"] = rows
+        return all("engine" in r for r in rows)
+
+    wait_for(read, "every replica's engine counters in /admin/replicas", timeout=120, interval=1)
+    return {r["id"]: (r["engine"]["prefix_cache_queries"], r["engine"]["prefix_cache_hits"]) for r in found["rows"]}
 
 
 def test_each_tenant_stays_on_one_replica_and_hits_there(prefix_stack):
