@@ -25,6 +25,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from gateway.admission import DEFAULT_TENANT
 from tandem_core.errors import ErrorKind
 from tandem_core.protocol import ROUTE_TABLE
 
@@ -104,7 +105,7 @@ def mark_process_dead(pid: int) -> None:
         multiprocess.mark_process_dead(pid, path)
 
 
-ANONYMOUS = "anonymous"  # the tenant of requests when auth is off
+ANONYMOUS = DEFAULT_TENANT  # the tenant of requests when auth is off (admission's too)
 PRIORITY_CLASSES = ("urgent", "default", "bulk")
 
 

@@ -325,10 +325,5 @@ class Router:
         """Every model has a healthy replica."""
         return all(p.healthy() for p in self.pools.values())
 
-    def serving(self) -> bool:
-        """Some model has a healthy replica (the gateway's readiness: a model without one answers
-        its own requests 503, and never makes the gateway unready for the others)."""
-        return any(p.healthy() for p in self.pools.values())
-
     def all_replicas(self) -> list[Replica]:
         return [r for p in self.pools.values() for r in p.replicas]
