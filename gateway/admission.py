@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 DEFAULT_TENANT = "anonymous"
@@ -42,22 +43,40 @@ class Admission:
     def __init__(self, promote_after_s: float | None = 30.0):
         self.promote_after_s = promote_after_s
         self._queues: dict[tuple[int, str], deque[Ticket]] = {}  # (priority, tenant) -> tickets in order
-        self._counters: dict[str, float] = {}  # tenant -> virtual tokens served (cost / weight)
+        # tenant -> virtual tokens served (cost / weight); a dict, or the store several gateway
+        # processes share (``gateway/shared_admission.py``: its ``get``/``[]=`` read and write it)
+        self.counters = {}
         self._seq = itertools.count()
         self._n = 0
 
     def __len__(self) -> int:
         return self._n
 
-    def push(self, ticket: Ticket) -> Ticket:
+    def push(self, ticket: Ticket, waiting_elsewhere: Iterable[str] = ()) -> Ticket:
+        """Queue ``ticket``. ``waiting_elsewhere``: tenants waiting in other gateway processes
+        (they count as active for the level a (re)joining tenant starts at)."""
         ticket.seq = next(self._seq)
-        if not any(t == ticket.tenant for _, t in self._queues):  # (re)joining: level with the active ones
-            active = [self._counters.get(t, 0.0) for _, t in self._queues]
-            floor = min(active) if active else 0.0
-            self._counters[ticket.tenant] = max(self._counters.get(ticket.tenant, 0.0), floor)
+        self.level(ticket.tenant, waiting_elsewhere)
         self._queues.setdefault((ticket.priority, ticket.tenant), deque()).append(ticket)
         self._n += 1
         return ticket
+
+    def level(self, tenant: str, waiting_elsewhere: Iterable[str] = ()) -> None:
+        """A tenant (re)joining the waiters starts level with the least-served active one: no
+        credit banked while idle. No-op for a tenant already waiting here."""
+        if any(t == tenant for _, t in self._queues):
+            return
+        active = [self.counters.get(t, 0.0) for t in itertools.chain((t for _, t in self._queues), waiting_elsewhere)
+                  if t != tenant]
+        floor = min(active) if active else 0.0
+        self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+
+    def charge(self, tenant: str, cost: float, weight: float) -> None:
+        """Count a request let through to ``tenant``'s share."""
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / weight
+
+    def counter(self, tenant: str) -> float:
+        return self.counters.get(tenant, 0.0)
 
     def remove(self, ticket: Ticket) -> None:
         """A waiter that left (cancelled, timed out, failed); no-op if it is not queued."""
@@ -79,7 +98,7 @@ class Admission:
                 return min(starving, key=lambda t: t.seq)
         band = min(t.priority for t in heads)
         return min((t for t in heads if t.priority == band),
-                   key=lambda t: (self._counters.get(t.tenant, 0.0), t.seq))
+                   key=lambda t: (self.counters.get(t.tenant, 0.0), t.seq))
 
     def promoted(self, ticket: Ticket, now: float) -> bool:
         """It waited past ``promote_after_s``: it goes before every band."""
@@ -98,7 +117,7 @@ class Admission:
         ticket = self.peek(now)
         if ticket is not None:
             self.remove(ticket)
-            self._counters[ticket.tenant] = self._counters.get(ticket.tenant, 0.0) + ticket.cost / ticket.weight
+            self.charge(ticket.tenant, ticket.cost, ticket.weight)
         return ticket
 
     def tickets(self) -> list[Ticket]:

@@ -21,7 +21,8 @@ nodes, ``tandem serve --attach`` on each other node runs the same attached code 
 the cluster (``ray.address``).
 
 Shared between the processes: per-key rate limits (``gateway/shared_limits.py``, a file mapped
-in memory by every process) and metrics (prometheus_client's multiprocess mode).
+in memory by every process), admission (``gateway/shared_admission.py``: each model's slots, its
+tenants' fair shares, who waits first) and metrics (prometheus_client's multiprocess mode).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def _die_with_parent() -> None:
 
 
 def child_main(config: TandemConfig, make_deployment: Callable[..., Any], sock: socket.socket, index: int,
-               log_level: str, access_log: bool, shared_limits_path: str | None, replacement: bool = False) -> None:
+               log_level: str, access_log: bool, shared_limits_path: str | None, shared_admission_path: str | None,
+               replacement: bool = False) -> None:
     """One gateway process: attach to the owner's replicas, serve on the inherited socket. A
     ``replacement`` (of a process that died) accepts connections only once its replicas are
     ready: the live processes take them meanwhile."""
@@ -82,6 +84,10 @@ def child_main(config: TandemConfig, make_deployment: Callable[..., Any], sock: 
     from gateway.service import Service
 
     service = Service(config, make_deployment(config, role=Role.ATTACHED), ready_before_serving=replacement)
+    if shared_admission_path is not None:
+        from gateway.shared_admission import share_admission
+
+        share_admission(service.router, config, shared_admission_path, index)
     app = build_app(service)
     if shared_limits_path is not None:
         from gateway.shared_limits import share
@@ -94,11 +100,11 @@ class ProcessGroup:
     """The parent's side: N gateway processes, restarted when one dies, stopped with a drain."""
 
     def __init__(self, config: TandemConfig, make_deployment: Callable[..., Any], sock: socket.socket,
-                 log_level: str, access_log: bool, shared_limits_path: str | None):
+                 log_level: str, access_log: bool, shared_limits_path: str | None, shared_admission_path: str | None):
         self.config = config
         self.n = config.gateway.processes
         self._args = (config, make_deployment, sock)
-        self._rest = (log_level, access_log, shared_limits_path)
+        self._rest = (log_level, access_log, shared_limits_path, shared_admission_path)
         self._ctx = multiprocessing.get_context("spawn")
         self.procs: list[Any] = [None] * self.n
         self._started_at = [0.0] * self.n
@@ -166,6 +172,7 @@ async def _parent(config: TandemConfig, make_deployment, owner: bool, log_level:
                   workdir: str) -> int:
     from gateway.metrics import use_multiprocess_dir
     from gateway.service import Service
+    from gateway.shared_admission import create_shared_admission
     from gateway.shared_limits import create_shared_limits
 
     # The port first, before Ray starts its own processes (any of which may take a free port): a
@@ -190,7 +197,8 @@ async def _parent(config: TandemConfig, make_deployment, owner: bool, log_level:
         address = deployment.gcs_address()
         config = config.model_copy(update={"ray": config.ray.model_copy(update={"address": address})})
     limits_path = create_shared_limits(config, workdir)
-    group = ProcessGroup(config, make_deployment, sock, log_level, access_log, limits_path)
+    admission_path = create_shared_admission(config, workdir)
+    group = ProcessGroup(config, make_deployment, sock, log_level, access_log, limits_path, admission_path)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

@@ -24,6 +24,7 @@ prefix index) from the pool.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import time
@@ -36,6 +37,7 @@ from gateway.choosers import AdapterAffinity, Affinity, PrefixChooser, p2c
 from gateway.intake import Intake
 from gateway.prefix import PrefixIndex
 from gateway.replicas import Effect, Move, Replica, ReplicaState
+from gateway.shared_admission import POLL_S, PROMOTED
 from tandem_core.errors import ErrorKind, TandemError
 
 RATE_WINDOW_S = 30.0
@@ -109,8 +111,20 @@ class ModelPool:
         # that an urgent request finds one free under a flood of lower ones.
         self.reserve = min(reserve, max_in_flight - 1) if max_in_flight is not None else 0
         self._completions: deque[float] = deque()
+        # Several gateway processes: the model's slots, its tenants' counters and each process's
+        # head waiter, shared (``gateway/shared_admission.py``); None: this process decides alone.
+        self.shares = None
+        self._poller: asyncio.Task | None = None
         for r in replicas or ():
             self.add(r)
+
+    def share(self, shares) -> None:
+        """Admit with the other gateway processes (``gateway.shared_admission.SharedShares``)."""
+        self.shares = shares
+        self.admission.counters = shares.counters
+
+    def _locked(self):
+        return self.shares.locked() if self.shares is not None else contextlib.nullcontext()
 
     def add(self, replica: Replica) -> None:
         """``replica`` joins the pool; the pool carries out its moves' effects on slots, queue
@@ -138,6 +152,27 @@ class ModelPool:
         if self.max_in_flight is None:
             return True
         return r.outstanding < self.max_in_flight - (self.reserve if priority > 0 else 0)
+
+    def _shared_turn(self, priority: float, tenant: str) -> bool:
+        """With shared admission: the model has a free slot, every process counted, and no other
+        process's head waiter goes before this one. True when this process decides alone."""
+        if self.shares is None:
+            return True
+        if self.max_in_flight is not None:
+            capacity = (self.max_in_flight - (self.reserve if priority > 0 else 0)) * len(self.healthy())
+            if self.shares.held() >= capacity:
+                return False
+        first = self.shares.first_elsewhere()
+        return first is None or (priority, self.admission.counter(tenant)) <= first
+
+    def _publish_head(self, now: float) -> None:
+        if self.shares is not None:
+            head = self.admission.peek(now)
+            if head is None:
+                self.shares.publish_head(None, None)
+            else:
+                self.shares.publish_head(PROMOTED if self.admission.promoted(head, now) else head.priority,
+                                         head.tenant)
 
     def prefix_blocks(self, intake: Intake) -> tuple[int, ...]:
         """What ``acquire`` needs to route ``intake`` by prefix: its prompt's block hashes under
@@ -216,10 +251,16 @@ class ModelPool:
         (``gateway/admission.py`` orders the waiters by them). Raises 503 (no live replica), 429
         (queue full) or 408 (waited past ``deadline_s``)."""
         exclude = frozenset(exclude)
-        if self.admission.goes_before_every_waiter(claim.priority, time.monotonic()):
-            replica = self._choose(cost, key, exclude, prefix, adapter, claim.priority)
-            if replica is not None:
-                return self._take(replica, cost, prefix, adapter)
+        with self._locked():
+            if self.admission.goes_before_every_waiter(claim.priority, time.monotonic()):
+                if self.shares is not None:
+                    self.admission.level(claim.tenant, self.shares.tenants_waiting_elsewhere())
+                if self._shared_turn(claim.priority, claim.tenant):
+                    replica = self._choose(cost, key, exclude, prefix, adapter, claim.priority)
+                    if replica is not None:
+                        if self.shares is not None:  # others may wait: this one counts to its share
+                            self.admission.charge(claim.tenant, cost, claim.weight)
+                        return self._take(replica, cost, prefix, adapter)
         self._no_live_replica()
         if len(self.admission) >= self.max_queue:
             raise self._overloaded()
@@ -230,6 +271,8 @@ class ModelPool:
             self.adapters.take(replica, adapter)
         if prefix and self.prefix is not None:
             cost = self.prefix.take(replica, cost, prefix)  # the engine will hold this prompt now
+        if self.shares is not None:
+            self.shares.take()  # (the caller holds the lock)
         replica.outstanding += 1
         replica.load += cost
         return Slot(replica, cost)
@@ -237,9 +280,13 @@ class ModelPool:
     async def _wait(self, waiter: _Waiter, deadline_s: float | None) -> Slot:
         fut = waiter.future
         c = waiter.claim
-        waiter.ticket = self.admission.push(Ticket(waiter, c.priority, c.tenant, c.weight, waiter.cost,
-                                                   time.monotonic()))
+        with self._locked():
+            waiter.ticket = self.admission.push(
+                Ticket(waiter, c.priority, c.tenant, c.weight, waiter.cost, time.monotonic()),
+                self.shares.tenants_waiting_elsewhere() if self.shares is not None else ())
         self.wake()  # a waiter more urgent than those ahead may take a free slot at once
+        if self.shares is not None and self._poller is None:
+            self._poller = asyncio.create_task(self._poll())
         try:
             return await asyncio.wait_for(asyncio.shield(fut), deadline_s)
         except TimeoutError:
@@ -250,15 +297,29 @@ class ModelPool:
                 self._give_back(fut.result())
             raise
         finally:
-            self.admission.remove(waiter.ticket)
+            with self._locked():
+                self.admission.remove(waiter.ticket)
+                self._publish_head(time.monotonic())
             if not fut.done():
                 fut.cancel()
+
+    async def _poll(self) -> None:
+        """With shared admission, while anyone waits here: a slot another process freed, or its
+        head waiter gone, is seen within ``POLL_S``."""
+        try:
+            while len(self.admission):
+                await asyncio.sleep(POLL_S)
+                self.wake()
+        finally:
+            self._poller = None
 
     def release(self, slot: Slot) -> None:
         self._completions.append(time.monotonic())
         self._give_back(slot)
 
     def _give_back(self, slot: Slot) -> None:
+        if self.shares is not None:
+            self.shares.give()
         slot.replica.outstanding -= 1
         slot.replica.load -= slot.cost
         self.wake()
@@ -266,30 +327,39 @@ class ModelPool:
     def wake(self) -> None:
         """Hand free slots to the waiters admission puts first (priority, then fair shares, then
         arrival), reserving each slot for its waiter. Called when a request ends, when a replica
-        becomes healthy and when a request starts waiting."""
-        now = time.monotonic()
-        while (ticket := self.admission.peek(now)) is not None:
-            waiter: _Waiter = ticket.item
-            if waiter.future.done():  # cancelled or timed out; its own cleanup removes it
-                self.admission.remove(ticket)
-                continue
-            priority = min(ticket.priority, 0) if self.admission.promoted(ticket, now) else ticket.priority
-            target = self._choose(waiter.cost, waiter.key, waiter.exclude, waiter.prefix, waiter.adapter, priority)
-            if target is None:
-                return
-            self.admission.pop(now)
-            waiter.future.set_result(self._take(target, waiter.cost, waiter.prefix, waiter.adapter))
+        becomes healthy, when a request starts waiting and (shared admission) every ``POLL_S``
+        while anyone waits."""
+        with self._locked():
+            now = time.monotonic()
+            while (ticket := self.admission.peek(now)) is not None:
+                waiter: _Waiter = ticket.item
+                if waiter.future.done():  # cancelled or timed out; its own cleanup removes it
+                    self.admission.remove(ticket)
+                    continue
+                promoted = self.admission.promoted(ticket, now)
+                priority = min(ticket.priority, 0) if promoted else ticket.priority
+                if not self._shared_turn(PROMOTED if promoted else priority, ticket.tenant):
+                    break
+                target = self._choose(waiter.cost, waiter.key, waiter.exclude, waiter.prefix, waiter.adapter,
+                                      priority)
+                if target is None:
+                    break
+                self.admission.pop(now)
+                waiter.future.set_result(self._take(target, waiter.cost, waiter.prefix, waiter.adapter))
+            self._publish_head(now)
 
     def fail_waiters_if_no_replica(self) -> None:
         """The model lost its last healthy replica: queued requests get the 503 a new one would
         get, at once, instead of waiting for a restart that may take minutes."""
         if self.healthy():
             return
-        for ticket in self.admission.tickets():
-            self.admission.remove(ticket)
-            fut = ticket.item.future
-            if not fut.done():
-                fut.set_exception(self._no_replica_error())
+        with self._locked():
+            for ticket in self.admission.tickets():
+                self.admission.remove(ticket)
+                fut = ticket.item.future
+                if not fut.done():
+                    fut.set_exception(self._no_replica_error())
+            self._publish_head(time.monotonic())
 
 
 class Router:

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -48,23 +49,28 @@ class Group:
 
     def pinned_clients(self, n: int = 2) -> dict[int, httpx.Client]:
         """One keep-alive connection per gateway process: {pid: client}."""
-        found: dict[int, httpx.Client] = {}
-        for _ in range(PIN_TRIES):
-            c = httpx.Client(base_url=self.url, limits=httpx.Limits(max_connections=1), timeout=60)
+        return {pid: cs[0] for pid, cs in self.pinned_pools(1, n).items()}
+
+    def pinned_pools(self, per_process: int, n: int = 2) -> dict[int, list[httpx.Client]]:
+        """``per_process`` keep-alive connections to each of the ``n`` gateway processes."""
+        found: dict[int, list[httpx.Client]] = {}
+        for _ in range(PIN_TRIES * per_process):
+            c = httpx.Client(base_url=self.url, limits=httpx.Limits(max_connections=1), timeout=120)
             pid = int(c.get("/health").headers["x-tandem-gateway"])
             self.health_requests += 1
-            if pid in found:
+            if len(found.setdefault(pid, [])) >= per_process:
                 c.close()
             else:
-                found[pid] = c
-            if len(found) == n:
+                found[pid].append(c)
+            if len(found) == n and all(len(cs) == per_process for cs in found.values()):
                 # /ready answered by one of them said nothing of the others, and ready means a
                 # healthy replica per model: wait until each process sees every replica healthy.
-                for fpid, fc in found.items():
+                for fpid, (fc, *_) in found.items():
                     wait_for(lambda fc=fc: _all_healthy(fc.get("/ready").json()),
                              f"gateway process {fpid} to see every replica healthy", timeout=180)
                 return found
-        raise AssertionError(f"saw only gateway processes {sorted(found)} in {PIN_TRIES} connections")
+        raise AssertionError(f"pinned only {({p: len(cs) for p, cs in found.items()})} connections in "
+                             f"{PIN_TRIES * per_process} tries")
 
     def replica_pids(self, client: httpx.Client | None = None) -> dict[str, int]:
         rows = (client or httpx).get(self.url + "/admin/replicas", timeout=60).json()["replicas"]
@@ -98,7 +104,7 @@ def _auth() -> dict:
 
 @contextmanager
 def gateway_group(tmp_path: Path, processes: int = 2, requests_per_minute: int | None = None,
-                  metrics_port: int | None = None):
+                  metrics_port: int | None = None, keys: list[dict] = (), model_fields: dict | None = None):
     port = free_port()
     control = tmp_path / "control.json"
     control.write_text("{}")
@@ -107,11 +113,12 @@ def gateway_group(tmp_path: Path, processes: int = 2, requests_per_minute: int |
                     "drain_timeout_s": 60, "stall_timeout_s": 600},
         "ray": {"num_cpus": 2},
         "metrics": {"port": metrics_port},
-        "auth": {"api_keys": [{"key": KEY, "name": "test", "requests_per_minute": requests_per_minute}],
+        "auth": {"api_keys": [{"key": KEY, "name": "test", "requests_per_minute": requests_per_minute}, *keys],
                  "public_paths": ["/health", "/metrics", "/admin/replicas"]},
         "models": [{"name": "fake", "kind": "autoregressive", "source": "none", "replicas": 2,
                     "resources": {"num_cpus": 0.5, "num_gpus": 0},
-                    "engine_args": {"num_tokens": TOKENS, "token_delay_s": 0.01, "control_file": str(control)}}],
+                    "engine_args": {"num_tokens": TOKENS, "token_delay_s": 0.01, "control_file": str(control)},
+                    **(model_fields or {})}],
     }
     cfg = tmp_path / "config.yaml"
     cfg.write_text(yaml.safe_dump(config))
@@ -128,12 +135,13 @@ def gateway_group(tmp_path: Path, processes: int = 2, requests_per_minute: int |
         stop_group(proc)
 
 
-def _stream(client: httpx.Client) -> str:
+def _stream(client: httpx.Client, key: str = KEY) -> str:
     """'ok' (the whole answer), 'error' (an error status or event), else 'broken: ...'."""
     body = {"model": "fake", "messages": [{"role": "user", "content": "x"}], "stream": True}
     events = []
     try:
-        with client.stream("POST", "/v1/chat/completions", json=body, headers=_auth()) as r:
+        with client.stream("POST", "/v1/chat/completions", json=body,
+                           headers={"Authorization": f"Bearer {key}"}) as r:
             if r.status_code != 200:
                 return "error"
             for ln in r.iter_lines():
@@ -223,3 +231,62 @@ def test_sigterm_drains_every_process(tmp_path):
         group.release()
         assert [f.result(60) for f in futures.values()] == ["ok", "ok"]
         assert group.proc.wait(120) == 0, group.log_tail()
+
+
+LIGHT, HEAVY, ADMIN = "sk-light-0123456789ab", "sk-heavy-0123456789ab", "sk-admin-0123456789ab"
+SHARE_KEYS = [{"key": LIGHT, "name": "light", "weight": 1}, {"key": HEAVY, "name": "heavy", "weight": 3},
+              {"key": ADMIN, "name": "ops", "role": "admin"}]
+
+
+def test_weighted_shares_and_roles_hold_across_both_processes(tmp_path):
+    """Tenant light (weight 1) floods through one process only, heavy (weight 3) through the other,
+    16 streams each, on one replica of two slots: admission is shared (``gateway/shared_admission.py``),
+    so the completions go 3:1, not each process's own slots 1:1. Alone, light takes both slots."""
+    fields = {"replicas": 1, "max_in_flight_per_replica": 2}
+    with gateway_group(tmp_path, keys=SHARE_KEYS, model_fields=fields) as group:
+        (pa, light_conns), (pb, heavy_conns) = group.pinned_pools(16).items()
+        for pid, c in ((pa, light_conns[0]), (pb, heavy_conns[0])):  # roles, on each process
+            denied = c.get("/admin/usage", headers={"Authorization": f"Bearer {LIGHT}"})
+            assert denied.status_code == 403 and denied.json()["error"]["type"] == "permission_error", denied.text
+            assert c.get("/admin/usage", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200, pid
+
+        # Alone, the weight-1 tenant gets the whole replica (both slots, through either process).
+        group.hold(group.replica_pids().values())
+        with cf.ThreadPoolExecutor(4) as ex:
+            held = [ex.submit(_stream, c, LIGHT) for c in (*light_conns[:2], *heavy_conns[:2])]
+            wait_for(lambda: group.running() == 2, "the lone tenant's streams to fill both slots")
+            group.release()
+            assert [f.result(60) for f in held] == ["ok"] * 4
+
+        order: list[str] = []
+        lock = threading.Lock()
+        stop = threading.Event()
+        start = threading.Barrier(32)
+        warmup, total = 16, 112
+
+        def flood(name: str, key: str, client: httpx.Client) -> None:
+            start.wait(timeout=60)
+            while not stop.is_set():
+                assert _stream(client, key) == "ok"
+                with lock:
+                    order.append(name)
+                    if len(order) >= total:
+                        stop.set()
+
+        with cf.ThreadPoolExecutor(32) as ex:
+            futures = [ex.submit(flood, "light", LIGHT, c) for c in light_conns]
+            futures += [ex.submit(flood, "heavy", HEAVY, c) for c in heavy_conns]
+            for f in futures:
+                f.result(300)
+        counted = order[warmup:total]
+        ratio = counted.count("heavy") / max(1, counted.count("light"))
+        assert 2.2 <= ratio <= 3.8, (ratio, counted)
+        # Every request counted to its tenant, both processes summed (a stream is counted as its
+        # response ends on the server, which may be just after its client read the end).
+        expected = {"light": order.count("light") + len(held), "heavy": order.count("heavy")}
+
+        def counted_to_tenants() -> dict:
+            usage = light_conns[0].get("/admin/usage", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+            return {t: usage["tenants"][t]["fake"]["requests"] for t in ("light", "heavy")}
+
+        wait_for(lambda: counted_to_tenants() == expected, f"the usage to count {expected}", timeout=30)
