@@ -1,7 +1,8 @@
-"""The request path of the generation routes: read the body once (``gateway.intake``) and check
-it, take a slot on a replica (queueing, deadlines, the request timeout), run it there, retry once
-elsewhere if that replica fails before the first byte, and answer: one JSON body, or a stream of
-SSE events.
+"""The request path of the generation routes. ``generate`` (the HTTP edge) reads the body once
+into the request's record (``gateway.envelope``); ``serve`` checks the record, takes a slot on a
+replica (queueing, deadlines, the request timeout), runs it there and retries once elsewhere if
+that replica fails before the first byte; the edge then answers: one JSON body, or a stream of
+SSE events. ``serve`` needs no HTTP object: a batch job serves its lines with it.
 """
 
 from __future__ import annotations
@@ -9,19 +10,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.intake import Intake, parse_json, take_in
+from gateway.envelope import Envelope, envelope
+from gateway.intake import parse_json
 from gateway.limits import check_limits
 from gateway.metrics import now
 from gateway.replicas import Replica
-from gateway.router import NO_CLAIM, Claim, ModelPool, Slot, request_cost
+from gateway.router import ModelPool, Slot, request_cost
 from gateway.service import Service
 from gateway.streaming import ClientGone, event_body, sse_body, until_disconnect
 from tandem_core.errors import ErrorKind, TandemError, invalid, request_timeout
-from tandem_core.protocol import DONE_ROUTES, ROUTE_SPECS, route_not_served
+from tandem_core.protocol import DONE_ROUTES, route_not_served
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +34,11 @@ def request_id_of(request: Request) -> str:
     return getattr(request.state, "request_id", None) or "unknown"
 
 
-def engine_request_id(request: Request, route: str) -> str:
+def engine_request_id(env: Envelope) -> str:
     """The engine's id of a request: its route and request id, plus a random suffix when the
     client chose the id (two requests may carry the same one; an engine's ids must differ)."""
-    rid = f"{route}-{request_id_of(request)}"
-    return f"{rid}-{uuid.uuid4().hex[:8]}" if getattr(request.state, "request_id_from_client", False) else rid
+    rid = f"{env.route}-{env.request_id}"
+    return f"{rid}-{uuid.uuid4().hex[:8]}" if env.request_id_from_client else rid
 
 
 def key_name_of(request: Request) -> str:
@@ -43,69 +47,105 @@ def key_name_of(request: Request) -> str:
     return f", key {name}" if name else ""
 
 
-async def take_in_request(request: Request, service: Service, route: str, body: dict | None = None) -> Intake:
-    """Read the request's body once (``gateway.intake``): 400 for bad JSON, a body that is not
-    an object or one nested deeper than ``limits.max_json_depth``. ``body``: already built by
-    the gateway (routes that take no JSON body), not checked for depth."""
+async def envelope_of(request: Request, service: Service, route: str, body: dict | None = None) -> Envelope:
+    """The request's record (``gateway.envelope``), its body read once: 400 for bad JSON, a body
+    that is not an object or one nested deeper than ``limits.max_json_depth``. ``body``: already
+    built by the gateway (routes that take no JSON body), not checked for depth."""
     config = service.config
     max_depth = None
     if body is None:
         max_depth = config.limits.max_json_depth
         body = parse_json(await request.body(), max_depth)
-    model = config.model(body.get("model"))
-    affinity = model.session_affinity if model is not None else None
-    return take_in(body, route, max_depth=max_depth, headers=request.headers,
-                   session_header=affinity.header if affinity is not None and affinity.enabled else None,
-                   timeout_at=_timeout_at(config.limits.request_timeout_s))
+    state = request.state
+    return envelope(route, body, request_id=request_id_of(request), config=config,
+                    key=getattr(state, "tandem_key", None),
+                    request_id_from_client=getattr(state, "request_id_from_client", False),
+                    max_depth=max_depth, headers=request.headers, queue_deadline_s=_deadline(request))
 
 
 async def generate(request: Request, service: Service, route: str, body: dict | None = None,
                    pin: Replica | None = None) -> Response:
-    """Serve one request of ``route`` (``tandem_core.protocol.ROUTES``). ``body``: already parsed
-    (routes that take no JSON body); ``pin``: the replica that must serve it (a stored response)."""
+    """Serve one HTTP request of ``route`` (``tandem_core.protocol.ROUTES``). ``body``: already
+    parsed (routes that take no JSON body); ``pin``: the replica that must serve it (a stored
+    response). 499 when the client leaves before the first byte."""
+    env = await envelope_of(request, service, route, body)
+    request.state.tandem_model = service.metrics.model_label(service.router.aliases.get(env.model, env.model))
+    try:
+        answer = await serve(service, env, pin, lambda first: until_disconnect(request, first),
+                             admit=lambda e: request.app.state.limiter.check_tokens(e.key_name, e.intake))
+    except ClientGone:
+        logger.info("client went away before %s%s was answered; aborted", env.request_id, key_name_of(request))
+        return Response(status_code=499)
+    headers = {REPLICA_HEADER: answer.replica_id}
+    if answer.json is not None:
+        return JSONResponse(answer.json, headers=headers)
+    metrics, model = service.metrics, request.state.tandem_model
+    if route in DONE_ROUTES:  # the hot path: unchanged
+        body_iter = sse_body(answer.first, answer.items, answer.release, _chunk_observer(metrics, model, env.key_name))
+    else:
+        body_iter = event_body(answer.first, answer.items, answer.release, route)
+    return StreamingResponse(body_iter, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                               **headers})
+
+
+@dataclass(slots=True)
+class Answer:
+    """What ``serve`` returns: the JSON body (its usage counted), or the stream's first chunk and
+    the rest, with ``release`` to call once it ends (the slot it holds)."""
+
+    replica_id: str
+    json: dict | None = None
+    first: str | None = None
+    items: AsyncIterator | None = None
+    release: Callable[[], None] | None = None
+
+
+async def serve(service: Service, env: Envelope, pin: Replica | None = None,
+                watch: Callable[[Awaitable], Awaitable] | None = None,
+                admit: Callable[[Envelope], None] | None = None) -> Answer:
+    """Serve one request's record: check it, take a slot on a replica (queueing, deadlines, the
+    request timeout), run it there, retry once elsewhere if that replica fails before the first
+    byte. Raises a ``TandemError`` for any refusal or failure. ``pin``: the replica that must serve
+    it; ``watch``: awaits the first item (racing it against the client leaving: ``ClientGone``);
+    ``admit``: the caller's last check once the request is valid (the HTTP edge: the per-key
+    token rate limit), before it queues."""
     t0 = now()
     metrics = service.metrics
     config = service.config
-    intake = await take_in_request(request, service, route, body)
-    body, timeout_at = intake.body, intake.timeout_at
-    model = metrics.model_label(service.router.aliases.get(intake.model, intake.model))  # an alias: its model's
-    request.state.tandem_model = model
+    route, body = env.route, env.body
+    model = metrics.model_label(service.router.aliases.get(env.model, env.model))  # an alias: its model's
     if service.draining:
         raise TandemError(ErrorKind.SHUTTING_DOWN, "the server is shutting down; retry on another instance",
                           retry_after=1)
-    key_name = getattr(request.state, "tandem_key_name", None)
-    api_key = getattr(request.state, "tandem_key", None)
-    if api_key is not None and not api_key.may_use(intake.model):  # as if it did not exist
-        raise service.router.not_found(intake.model, api_key.models)
-    claim = claim_of(body, api_key, route)
-    pool = service.router.pool(intake.model)
+    if env.key is not None and not env.key.may_use(env.model):  # as if it did not exist
+        raise service.router.not_found(env.model, env.key.models)
+    pool = service.router.pool(env.model)
     _check_route(pool, route)
-    check_limits(intake, config.limits_for(pool.name))
-    request.app.state.limiter.check_tokens(getattr(request.state, "tandem_key_name", None), intake)
-    cost = request_cost(pool.kind, intake)
-    key = intake.session_key
-    prefix = pool.prefix_blocks(intake)
-    adapter = service.router.adapter(intake.model)
+    check_limits(env.intake, config.limits_for(pool.name))
+    if admit is not None:
+        admit(env)
+    cost = request_cost(pool.kind, env.intake)
+    prefix = pool.prefix_blocks(env.intake)
+    adapter = service.router.adapter(env.model)
     if pin is None and route == "responses":
         pin = replica_of_response(service, body.get("previous_response_id"), pool.name)
     others = [r.id for r in pool.replicas if pin is not None and r is not pin]
     tried: list[str] = []
     while True:
         waited = now()
-        slot = await _acquire(pool, request, timeout_at, cost, key, tried + others, prefix, adapter, claim)
+        slot = await _acquire(pool, env, cost, tried + others, prefix, adapter)
         metrics.queue_wait.labels(model).observe(now() - waited)
-        metrics.observe_admitted(model, claim.priority, now() - waited)
+        metrics.observe_admitted(model, env.claim.priority, now() - waited)
         metrics.in_flight.labels(model).inc()
         release = _releaser(pool, slot, metrics, model)
-        request_id = (response_id(slot.replica.id) if route == "responses" else engine_request_id(request, route))
-        items = slot.replica.handle.generate(route, body, request_id, timeout_at)
+        request_id = response_id(slot.replica.id) if route == "responses" else engine_request_id(env)
+        items = slot.replica.handle.generate(env.engine_request(request_id), env.timeout_at)
         try:
-            first = await until_disconnect(request, anext(items))
+            first = await (watch(anext(items)) if watch is not None else anext(items))
         except ClientGone:
-            logger.info("client went away before %s%s was answered; aborted", request_id, key_name_of(request))
             await items.aclose()
             release()
-            return Response(status_code=499)
+            raise
         except StopAsyncIteration:
             release()
             raise TandemError(ErrorKind.ENGINE_ERROR, "the engine returned nothing") from None
@@ -121,22 +161,16 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
             metrics.retries.labels(model).inc()
             continue
         break
-    headers = {REPLICA_HEADER: slot.replica.id}
     if isinstance(first, str):
         metrics.ttft.labels(model).observe(now() - t0)
-        if route in DONE_ROUTES:  # the hot path: unchanged
-            body_iter = sse_body(first, items, release, _chunk_observer(metrics, model, key_name))
-        else:
-            body_iter = event_body(first, items, release, route)
-        return StreamingResponse(body_iter, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
-                                                                                   **headers})
+        return Answer(slot.replica.id, first=first, items=items, release=release)
     await items.aclose()
     release()
     if isinstance(first, TandemError):
         raise first
     if isinstance(first, dict):  # what the client receives, counted to the model, its key and tenant
-        metrics.observe_usage(model, first.get("usage"), key_name)
-    return JSONResponse(first, headers=headers)
+        metrics.observe_usage(model, first.get("usage"), env.key_name)
+    return Answer(slot.replica.id, json=first)
 
 
 def _check_route(pool: ModelPool, route: str) -> None:
@@ -185,40 +219,16 @@ async def stored_response(request: Request, service: Service, route: str, respon
     return await generate(request, service, route, body=body, pin=replica)
 
 
-def _timeout_at(timeout_s: float | None) -> float | None:
-    return None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
-
-
-def claim_of(body: dict, api_key, route: str) -> Claim:
-    """The request's priority (its body's vLLM ``priority``, else its key's default, raised to
-    the key's ``min_priority``), tenant and weight. A generating request's body then carries the
-    priority to the engine (vLLM's priority scheduling; the diffusion scheduler's order)."""
-    asked = body.get("priority")
-    if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool)):
-        raise invalid("priority: an integer (lower is more urgent)", "priority")
-    if api_key is None:
-        priority = asked or 0
-        claim = Claim(priority) if priority else NO_CLAIM
-    else:
-        priority = api_key.priority if asked is None else asked
-        if api_key.min_priority is not None and priority < api_key.min_priority:
-            priority = api_key.min_priority  # raised, never refused
-        claim = Claim(priority, api_key.tenant_name, api_key.weight)
-    if priority != (asked or 0) and ROUTE_SPECS[route].generates:
-        body["priority"] = priority
-    return claim
-
-
-async def _acquire(pool: ModelPool, request: Request, timeout_at: float | None, cost: float, key: str | None,
-                   tried: list[str], prefix: tuple[int, ...] = (), adapter: str | None = None,
-                   claim: Claim = NO_CLAIM) -> Slot:
-    """A slot, waiting in the queue no longer than the client's deadline header nor what is left
-    of the request timeout (504 when that is what ran out)."""
-    queue_deadline = _deadline(request)
-    kw = {"cost": cost, "key": key, "exclude": tried, "prefix": prefix, "adapter": adapter, "claim": claim}
-    if timeout_at is None:
+async def _acquire(pool: ModelPool, env: Envelope, cost: float, tried: list[str], prefix: tuple[int, ...] = (),
+                   adapter: str | None = None) -> Slot:
+    """A slot, waiting in the queue no longer than the client's deadline nor what is left of the
+    request timeout (504 when that is what ran out)."""
+    queue_deadline = env.queue_deadline_s
+    kw = {"cost": cost, "key": env.intake.session_key, "exclude": tried, "prefix": prefix, "adapter": adapter,
+          "claim": env.claim}
+    if env.timeout_at is None:
         return await pool.acquire(queue_deadline, **kw)
-    left = max(0.0, timeout_at - asyncio.get_running_loop().time())
+    left = max(0.0, env.timeout_at - asyncio.get_running_loop().time())
     if queue_deadline is not None and queue_deadline <= left:
         return await pool.acquire(queue_deadline, **kw)
     try:

@@ -120,6 +120,23 @@ Item = TandemError | dict | str
 DONE = "data: [DONE]\n\n"
 
 
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One request as it crosses the hop to a replica: built once by the gateway from its
+    request record (``gateway/envelope.py``), the same for a route handler and a batch job.
+    The engine serves ``body`` (which carries vLLM's ``priority`` when the gateway set one);
+    the rest says who asked and by when, for the replica's logs, traces and order."""
+
+    route: str  # a route of ``ROUTE_TABLE`` the engine serves
+    body: dict
+    request_id: str  # the engine's id (unique among its requests)
+    priority: int = 0  # vLLM's: lower is more urgent
+    tenant: str | None = None  # whose share it counts to (None: auth is off)
+    key: str | None = None  # the API key's configured name (never the key)
+    deadline: float | None = None  # wall-clock time (``time.time()``) when the gateway gives up on it
+    trace: dict[str, str] | None = None  # W3C trace context (``traceparent``, ``tracestate``) to continue
+
+
 class Role(str, Enum):
     """Who owns a deployment's replicas: said once, by the deployment (``Deployment.role``).
     ``solo``: one gateway process, which owns them; ``owner``: it owns them and other gateway
@@ -226,8 +243,7 @@ class ReplicaHandle(Protocol):
     on_broken: Callable[[TandemError], None] | None  # set by the service: the channel broke
     channel_id: str  # this gateway process's channel to the replica (its per-channel counts say whose)
 
-    def generate(self, route: str, body: dict, request_id: str,
-                 timeout_at: float | None = None) -> AsyncIterator[Item]: ...
+    def generate(self, request: EngineRequest, timeout_at: float | None = None) -> AsyncIterator[Item]: ...
     async def abort(self, request_id: str) -> bool: ...
     async def health(self) -> ReplicaHealth: ...
     async def stats(self) -> EngineStats: ...

@@ -91,7 +91,7 @@ def _patch_gateway_app(m) -> None:
 
 
 def _patch_generate(m) -> None:
-    for name in ("take_in_request", "_read_json"):  # the body's intake (its name changed once)
+    for name in ("envelope_of", "take_in_request", "_read_json"):  # the body's intake (its name changed)
         if hasattr(m, name):
             setattr(m, name, _around(getattr(m, name), None, "g_body"))
             break

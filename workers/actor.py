@@ -17,10 +17,11 @@ import uuid
 from collections.abc import AsyncIterator
 
 from tandem_core.config import ModelConfig
-from tandem_core.errors import ErrorKind, TandemError
+from tandem_core.errors import ErrorKind, TandemError, request_timeout
 from tandem_core.protocol import (
     Engine,
     EngineInfo,
+    EngineRequest,
     EngineStats,
     Item,
     ReplicaHealth,
@@ -106,16 +107,22 @@ class EngineActor:
             del self._channels[channel_id]
             self._leases.pop(channel_id, None)
 
-    async def submit(self, channel_id: str, route: str, body: dict, request_id: str) -> None:
+    async def submit(self, channel_id: str, request: EngineRequest) -> None:
         """Start a request; its items (see ``tandem_core.protocol``) go out on the channel."""
-        self.submit_on(await self._outbox(channel_id), route, body, request_id)
+        self.submit_on(await self._outbox(channel_id), request)
 
-    def submit_on(self, outbox: Outbox, route: str, body: dict, request_id: str) -> None:
-        outbox.start(request_id, self._items(route, body, request_id))
+    def submit_on(self, outbox: Outbox, request: EngineRequest) -> None:
+        outbox.start(request.request_id, self._items(request))
 
-    def _items(self, route: str, body: dict, request_id: str) -> AsyncIterator[Item]:
+    def _items(self, request: EngineRequest) -> AsyncIterator[Item]:
+        route = request.route
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("request %s: %s, priority %d, tenant %s, key %s, trace %s", request.request_id, route,
+                         request.priority, request.tenant, request.key, request.trace)
+        if request.deadline is not None and time.time() >= request.deadline:  # given up on already
+            return _one(request_timeout())
         if route in served_routes(self.engine):  # one engine method per route (tandem_core.protocol)
-            return getattr(self.engine, route)(body, request_id)
+            return getattr(self.engine, route)(request.body, request.request_id)
         return _one(route_not_served(route, self.cfg.name, self.cfg.kind.value, served_routes(self.engine)))
 
     async def _outbox(self, channel_id: str) -> Outbox:

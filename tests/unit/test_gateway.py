@@ -263,7 +263,7 @@ def test_a_finished_request_sends_no_abort_to_its_replica():
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             wait_for(lambda: sum(m == "submit" for m, *_ in calls) == before + 1, "the held request reaches the replica")
         wait_for(lambda: any(m == "abort" for m, *_ in calls), "the gone client's request to be aborted")
-        submitted = [a[-1] for m, *a in calls if m == "submit"]
+        submitted = [a[-1].request_id for m, *a in calls if m == "submit"]  # an EngineRequest
         assert [a[-1] for m, *a in calls if m == "abort"] == [submitted[-1]], calls
 
 

@@ -17,6 +17,7 @@ from gateway.processes import bind_socket
 from gateway.replicas import Replica
 from gateway.shared_limits import SharedStore, create_shared_limits, share
 from tandem_core.errors import RateLimited, TandemError
+from tandem_core.protocol import EngineRequest
 from tests.waiting import async_wait_for
 from workers.actor import EngineActor
 from workers.fake_engine import FakeEngine
@@ -33,7 +34,7 @@ def test_others_load_is_what_other_channels_hold_on_the_replica():
         await mine.start()
         await theirs.start()
         body = {"model": "fake", "prompt": "x"}
-        streams = [theirs.generate("completions", body, f"r{i}") for i in range(3)]
+        streams = [theirs.generate(EngineRequest("completions", body, f"r{i}")) for i in range(3)]
         tasks = [asyncio.ensure_future(s.__anext__()) for s in streams]
         await async_wait_for(lambda: len(engine.running) == 3, "three requests in the engine")
         replica = Replica(id="fake/0", model="fake", handle=mine)
@@ -142,7 +143,7 @@ def test_a_channel_past_its_lease_is_closed_and_its_requests_end():
         for h in (owner, alive, gone):
             await h.start()
         body = {"model": "fake", "prompt": "x"}
-        streams = {h: h.generate("completions", body, f"r-{i}") for i, h in enumerate((owner, alive, gone))}
+        streams = {h: h.generate(EngineRequest("completions", body, f"r-{i}")) for i, h in enumerate((owner, alive, gone))}
         tasks = {h: asyncio.ensure_future(s.__anext__()) for h, s in streams.items()}
         await async_wait_for(lambda: len(engine.running) == 3, "three requests in the engine")
         await actor.health(alive.channel_id, 1000.0)

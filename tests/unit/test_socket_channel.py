@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from tandem_core.errors import ErrorKind, TandemError
-from tandem_core.protocol import DONE, EngineInfo
+from tandem_core.protocol import DONE, EngineInfo, EngineRequest
 from tests.waiting import async_wait_for
 from workers.actor import EngineActor
 from workers.fake_engine import FakeEngine
@@ -37,7 +37,7 @@ async def _started(actor: EngineActor, channel: str = "socket", factory=None) ->
 async def _collect(handle, request_id: str, route: str = "completions", body=BODY) -> list:
     out = []
     try:
-        async for item in handle.generate(route, body, request_id):
+        async for item in handle.generate(EngineRequest(route, body, request_id)):
             out.append(item)
     except TandemError as e:  # mid-stream: raised (the gateway sends it as an error event)
         out.append(e)
@@ -139,7 +139,7 @@ def test_a_replica_that_drops_the_connection_fails_every_request_on_it():
         handle.on_broken = broken.append
         first = await _collect(handle, "done-before")  # served normally first
         engine.num_tokens, engine.token_delay_s = 100_000, 0.01  # a request that streams on and on
-        streaming = handle.generate("completions", BODY, "r-mid")
+        streaming = handle.generate(EngineRequest("completions", BODY, "r-mid"))
         assert isinstance(await anext(streaming), str)  # its first token is out
         engine.stall = True  # and no more tokens for anyone
         waiting = asyncio.ensure_future(_collect(handle, "r-wait"))
@@ -187,7 +187,7 @@ def test_a_client_that_leaves_aborts_its_request_over_the_socket():
         actor = _actor(engine)
         handle = await _started(actor)
         engine.stall = True
-        stream = handle.generate("completions", BODY, "r-left")
+        stream = handle.generate(EngineRequest("completions", BODY, "r-left"))
         first = asyncio.ensure_future(anext(stream))
         await async_wait_for(lambda: "r-left" in engine.running, "the request in the engine")
         first.cancel()  # the HTTP client went away
@@ -239,7 +239,7 @@ def test_a_reader_that_does_not_read_stops_the_pump_until_it_drains():
         sock.setblocking(False)
         await asyncio.get_running_loop().sock_connect(sock, (host, port))
         reader, writer = await asyncio.open_connection(sock=sock)
-        writer.write(HEADER.pack(len(token)) + token + encode(("submit", ("completions", {}, "r"))))
+        writer.write(HEADER.pack(len(token)) + token + encode(("submit", EngineRequest("completions", {}, "r"))))
         await async_wait_for(lambda: "slow" in actor._channels and actor._socket_server._writers, "the channel open")
         server, outbox = actor._socket_server, actor._channels["slow"]
         transport = next(iter(server._writers)).transport

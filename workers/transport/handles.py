@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tandem_core.errors import ErrorKind, TandemError, request_timeout
-from tandem_core.protocol import DONE, EngineInfo, EngineStats, Item, ReplicaHealth
+from tandem_core.protocol import DONE, EngineInfo, EngineRequest, EngineStats, Item, ReplicaHealth
 from workers.transport.channel import END, Demux, items_of
 from workers.transport.links import Link, RayLink, SocketLink
 
@@ -124,10 +124,10 @@ class ChannelReplicaHandle:
     async def describe(self) -> dict:
         return await self.call("describe")
 
-    async def generate(self, route: str, body: dict, request_id: str,
-                       timeout_at: float | None = None) -> AsyncIterator[Item]:
+    async def generate(self, request: EngineRequest, timeout_at: float | None = None) -> AsyncIterator[Item]:
         """The request's items. Past ``timeout_at`` (loop time) it ends with a 504 error (an error
         event if it had begun streaming) and is aborted in the engine."""
+        request_id = request.request_id
         demux, link = self._channel()
         queue = demux.register(request_id)
         done = expired = False  # done: the engine is finished with it (no abort needed)
@@ -141,7 +141,7 @@ class ChannelReplicaHandle:
             timer = asyncio.get_running_loop().call_at(timeout_at, expire)
         try:
             try:
-                await link.submit(route, body, request_id)
+                await link.submit(request)
             except TandemError:
                 raise
             except Exception as e:  # noqa: BLE001

@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from tandem_core.protocol import EngineRequest
 from workers.transport.channel import Batch
 from workers.transport.socket_channel import ChannelClient
 
@@ -30,7 +31,7 @@ class Link(Protocol):
     def batches(self) -> AsyncIterator[Batch]:
         """Every batch the replica sends on this channel, until either end closes it."""
 
-    async def submit(self, route: str, body: dict, request_id: str) -> None:
+    async def submit(self, request: EngineRequest) -> None:
         """Start a request on the replica; its items come back in ``batches``."""
 
     def abort_soon(self, request_id: str) -> None:
@@ -47,8 +48,8 @@ class RayLink:
     def batches(self) -> AsyncIterator[Batch]:
         return self.actor.stream("open_channel", self.channel_id)
 
-    async def submit(self, route: str, body: dict, request_id: str) -> None:
-        await self.actor.call("submit", self.channel_id, route, body, request_id)
+    async def submit(self, request: EngineRequest) -> None:
+        await self.actor.call("submit", self.channel_id, request)
 
     def abort_soon(self, request_id: str) -> None:
         asyncio.ensure_future(self._abort_quietly(request_id))
@@ -86,9 +87,9 @@ class SocketLink:
             if conn is not None:
                 conn.close()  # the replica aborts whatever was still running on it
 
-    async def submit(self, route: str, body: dict, request_id: str) -> None:
+    async def submit(self, request: EngineRequest) -> None:
         # shielded: a request given up while the channel connects leaves it be
-        await (await asyncio.shield(self._client)).submit(route, body, request_id)
+        await (await asyncio.shield(self._client)).submit(request)
 
     def abort_soon(self, request_id: str) -> None:
         client = self._client

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from tandem_core.errors import ErrorKind, TandemError
+from tandem_core.protocol import EngineRequest
 from workers.transport.channel import END, Batch, Outbox
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class ChannelHost(Protocol):
     def detach(self, channel_id: str, outbox: Outbox) -> None:
         """The channel's connection is gone: close ``outbox`` (aborting its requests), forget it."""
 
-    def submit_on(self, outbox: Outbox, route: str, body: dict, request_id: str) -> None:
+    def submit_on(self, outbox: Outbox, request: EngineRequest) -> None:
         """Start a request whose items go to ``outbox``."""
 
     async def abort(self, request_id: str) -> bool: ...
@@ -191,16 +192,16 @@ class ChannelServer:
             pass  # the gateway went away
 
     async def _intake(self, reader: asyncio.StreamReader, outbox: Outbox) -> None:
-        """Requests in, in order: ``("submit", (route, body, request_id))``, ``("abort", (request_id,))``."""
+        """Requests in, in order: ``("submit", EngineRequest)``, ``("abort", (request_id,))``."""
         while True:
             try:
                 op, args = await read_frame(reader)
             except (asyncio.IncompleteReadError, ConnectionError):
                 return  # the gateway closed its end (or died)
             if op == "submit":
-                route, body, request_id = args
+                request_id = args.request_id
                 try:
-                    self.host.submit_on(outbox, route, body, request_id)
+                    self.host.submit_on(outbox, args)
                 except Exception as e:  # noqa: BLE001 - the request must hear of it, never silence
                     if not isinstance(e, TandemError):
                         logger.exception("request %s: submit failed", request_id)
@@ -237,8 +238,8 @@ class ChannelClient:
             raise ConnectionResetError("the channel's connection is closed")
         self._writer.write(encode(message))
 
-    async def submit(self, route: str, body: dict, request_id: str) -> None:
-        self._send(("submit", (route, body, request_id)))
+    async def submit(self, request: EngineRequest) -> None:
+        self._send(("submit", request))
         await self._writer.drain()
 
     def abort(self, request_id: str) -> None:
