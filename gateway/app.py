@@ -17,6 +17,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import views
+from gateway.batch_routes import register_batch_routes
+from gateway.batches import Batches
 from gateway.generate import generate, key_name_of, request_id_of, stored_response
 from gateway.intake import parse_json
 from gateway.metrics import now
@@ -175,12 +177,18 @@ def _generation_endpoint(service: Service, route: str):
 
 
 def build_app(service: Service) -> FastAPI:
+    batches = Batches(service) if service.config.batches.enabled else None
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await service.start()
+        if batches is not None:
+            batches.start()
         try:
             yield
         finally:
+            if batches is not None:
+                await batches.stop()
             await service.stop()
 
     app = FastAPI(title="tandem", version="0.1.0", lifespan=lifespan,
@@ -191,7 +199,9 @@ def build_app(service: Service) -> FastAPI:
     def on_reject(scope, err: TandemError) -> None:
         service.metrics.observe_rejected("other", err.kind)
 
+    upload_limit = {ROUTE_SPECS["files_create"].path: cfg.batches.max_file_bytes} if batches is not None else None
     app.state.limiter = install_security(app, cfg.auth, cfg.limits, cfg.cors, base_dir=cfg.config_dir,
+                                         body_limits=upload_limit,
                                          on_reject=on_reject)
     app.add_middleware(AnthropicErrors)  # outside security: its refusals get the shape too
     app.add_middleware(MetricsMiddleware, service=service)  # added last: outermost
@@ -277,6 +287,9 @@ def build_app(service: Service) -> FastAPI:
     @route("usage")
     async def usage() -> dict:
         return service.metrics.usage()
+
+    if batches is not None:
+        register_batch_routes(app, route, batches, cfg.limits.max_json_depth)
 
     @route("load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:

@@ -62,11 +62,13 @@ class Envelope:
 
 def envelope(route: str, body: dict, *, request_id: str, config, key=None, request_id_from_client: bool = False,
              max_depth: int | None = None, headers: Mapping[str, str] | None = None,
-             queue_deadline_s: float | None = None, timeout_s: float | None = None) -> Envelope:
+             queue_deadline_s: float | None = None, timeout_s: float | None = None,
+             priority: int | None = None) -> Envelope:
     """Build a request's record. ``max_depth``: the body's nesting limit (None: not checked:
     a body the gateway built); ``headers``: the session key's and the trace context's source;
-    ``timeout_s``: the request timeout (None: ``limits.request_timeout_s``). Raises 400 for a
-    body too deep or a bad ``priority``."""
+    ``timeout_s``: the request timeout (None: ``limits.request_timeout_s``); ``priority``: the
+    request's, whatever its body and key say (a batch line's class). Raises 400 for a body too
+    deep or a bad ``priority``."""
     model = config.model(body.get("model"))
     affinity = model.session_affinity if model is not None else None
     if timeout_s is None:
@@ -78,8 +80,13 @@ def envelope(route: str, body: dict, *, request_id: str, config, key=None, reque
     trace = None
     if headers is not None and headers.get("traceparent"):
         trace = {h: headers[h] for h in TRACE_HEADERS if headers.get(h)}
-    return Envelope(route, intake, request_id, request_id_from_client, key, claim_of(body, key, route),
-                    queue_deadline_s, trace)
+    if priority is None:
+        claim = claim_of(body, key, route)
+    else:
+        claim = Claim(priority, key.tenant_name, key.weight) if key is not None else Claim(priority)
+        if ROUTE_SPECS[route].generates:
+            body["priority"] = priority
+    return Envelope(route, intake, request_id, request_id_from_client, key, claim, queue_deadline_s, trace)
 
 
 def claim_of(body: dict, api_key, route: str) -> Claim:

@@ -88,18 +88,20 @@ class BodySizeLimit:
     an ``Exception`` handler then never sees BodyTooLarge. Should the app turn it into its own
     error response anyway (FastAPI's body parsing makes it a 400), that response is replaced."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, max_body_bytes: int, per_path: dict[str, int] | None = None):
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.per_path = per_path or {}  # a route's own limit (uploads: ``batches.max_file_bytes``)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        error = BodyTooLarge(self.max_body_bytes)
+        limit = self.per_path.get(scope["path"], self.max_body_bytes)
+        error = BodyTooLarge(limit)
         declared = _declared_length(scope)
-        if declared is not None and declared > self.max_body_bytes:
+        if declared is not None and declared > limit:
             logger.info("refused %s %s: Content-Length %d is over %d bytes", scope.get("method"), scope["path"],
-                        declared, self.max_body_bytes)
+                        declared, limit)
             return await error.send_to(send)
         received = 0
         exceeded = started = answered = False
@@ -109,10 +111,10 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
+                if received > limit:
                     if not exceeded:
                         logger.info("refused %s %s: body over %d bytes", scope.get("method"), scope["path"],
-                                    self.max_body_bytes)
+                                    limit)
                     exceeded = True
                     raise error
             return message

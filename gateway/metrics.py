@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gateway.admission import DEFAULT_TENANT
+from gateway.batch_store import STATUSES
 from tandem_core.errors import ErrorKind
 from tandem_core.protocol import ROUTE_TABLE
 
@@ -184,6 +185,15 @@ class Metrics:
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.queued_by_class = Gauge("tandem_admission_queued", "Requests waiting in the gateway, by priority class.",
                                      ["model", "priority_class"], registry=r, multiprocess_mode="livesum")
+        # Batches (OpenAI's Batch API): the store's counts, read by each gateway process's runner.
+        self.batches = Gauge("tandem_batches", "Batches by status (from the batch store).", ["status"], registry=r,
+                             multiprocess_mode="livemostrecent")
+        self.batch_lines = Counter("tandem_batch_lines", "Batch lines answered, by outcome (completed: status 200; "
+                                   "failed: an error line).", ["outcome"], registry=r)
+        self.batch_queue_age = Gauge("tandem_batch_queue_age_seconds", "Age of the oldest batch not yet finished "
+                                     "(0: none).", registry=r, multiprocess_mode="livemostrecent")
+        for outcome in ("completed", "failed"):
+            self.batch_lines.labels(outcome)
         self._engines = _EngineCollector()
         r.register(self._engines)
         self.exposition = r  # what /metrics shows
@@ -237,6 +247,14 @@ class Metrics:
 
     def observe_admitted(self, model: str, priority: int, waited_s: float) -> None:
         self.admitted_wait.labels(model, priority_class(priority)).observe(waited_s)
+
+    def set_batches(self, by_status: dict[str, int], oldest_active: float | None) -> None:
+        for status in STATUSES:
+            self.batches.labels(status).set(by_status.get(status, 0))
+        self.batch_queue_age.set(max(0.0, time.time() - oldest_active) if oldest_active is not None else 0.0)
+
+    def observe_batch_line(self, outcome: str) -> None:
+        self.batch_lines.labels(outcome).inc()
 
     def observe_served(self, model: str, key: str | None) -> None:
         """A request to ``model`` answered (whatever its status), counted to its key and tenant."""

@@ -30,15 +30,17 @@ logger = logging.getLogger(__name__)
 def install_security(app: Any, auth: AuthConfig, limits: LimitsConfig, cors: CorsConfig, *,
                      clock: Callable[[], float] = time.monotonic,
                      on_reject: Callable[[Scope, TandemError], None] | None = None,
-                     environ: Mapping[str, str] | None = None, base_dir: Path | None = None) -> RateLimiter:
+                     environ: Mapping[str, str] | None = None, base_dir: Path | None = None,
+                     body_limits: dict[str, int] | None = None) -> RateLimiter:
     """Add the middlewares to a Starlette/FastAPI ``app``: CORS outermost (so refusals carry its
     headers), then auth (a 401 before any body is read), then the body limit. Returns the
-    limiter whose ``check_tokens`` the routes call. Raises ValueError for an unreadable key."""
+    limiter whose ``check_tokens`` the routes call. ``body_limits``: paths with a body limit of
+    their own (also where ``limits.max_body_bytes`` is None). Raises ValueError for an unreadable key."""
     keys = resolve_keys(auth, environ, base_dir)
     limiter = RateLimiter(keys, clock)
     # add_middleware puts each new middleware outside the ones added before it
-    if limits.max_body_bytes is not None:
-        app.add_middleware(BodySizeLimit, max_body_bytes=limits.max_body_bytes)
+    if limits.max_body_bytes is not None or body_limits:
+        app.add_middleware(BodySizeLimit, max_body_bytes=limits.max_body_bytes or 2**62, per_path=body_limits)
     if auth.enabled:
         app.add_middleware(AuthMiddleware, keystore=KeyStore(keys), limiter=limiter, public_paths=auth.public(),
                            on_reject=on_reject, admin_paths=[r.path for r in ROUTE_TABLE if r.admin])

@@ -48,8 +48,15 @@ class Service:
         self.draining = False
         self.fatal: str | None = None  # why the service stopped at start (a replica's configuration)
         self.started_at = time.monotonic()
-        tenants = ({k.name: k.tenant_name for k in resolve_keys(config.auth, base_dir=config.config_dir)}
-                   if config.auth.enabled else None)  # (the config's loader read the keys already: they resolve)
+        keys = resolve_keys(config.auth, base_dir=config.config_dir) if config.auth.enabled else []
+        tenants = {k.name: k.tenant_name for k in keys} if config.auth.enabled else None
+        # (the config's loader read the keys already: they resolve)
+        if len({k.tenant_name for k in keys}) > 1 and self.deployment.role is not Role.ATTACHED:
+            unbounded = [m.name for m in config.models if m.max_in_flight_per_replica is None]
+            if unbounded:  # said once, by the process that owns the replicas
+                logger.warning("tenants' weights apply when requests queue in the gateway: models %s have no "
+                               "max_in_flight_per_replica, so their engines queue every request (priority first, "
+                               "then arrival) and the shares do not hold there", ", ".join(unbounded))
         self.metrics = Metrics([m.name for m in config.models] + list(self.adapters.base), tenants)
         self.supervisor = Supervisor(config, deployment, self.router, self.metrics)
         self.supervisor.on_fatal = self._fatal

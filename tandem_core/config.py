@@ -185,6 +185,33 @@ class GatewayConfig(_Strict):
     )
 
 
+def default_data_dir() -> Path:
+    """Where durable state lives unless ``batches.data_dir`` says: ``$XDG_STATE_HOME/tandem``, else
+    ``~/.local/state/tandem`` (the XDG base directory for state; read here, once)."""
+    import os
+
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "tandem"
+
+
+class BatchesConfig(_Strict):
+    enabled: bool = Field(True, description="Serve OpenAI's Files and Batch API (`/v1/files`, `/v1/batches`).")
+    data_dir: Path = Field(default_factory=default_data_dir, description="Where the batch jobs' SQLite database "
+                           "and the uploaded and produced files live (survives restarts; default: "
+                           "$XDG_STATE_HOME/tandem or ~/.local/state/tandem).")
+    priority: int = Field(1000, description="The priority of batch lines (vLLM's field, lower is more urgent): "
+                          "below every online request, whose priority (and every key's) must be lower.")
+    lines_in_flight: int = Field(16, ge=1, description="Lines of one batch sent at once (admission and the "
+                                 "engines queue them behind online requests).")
+    max_file_bytes: int = Field(200 * 1024 * 1024, ge=1, description="Largest upload to /v1/files (its own body "
+                                "limit; other routes keep limits.max_body_bytes). OpenAI's: 200 MB.")
+    max_lines: int = Field(50_000, ge=1, description="Lines a batch's input file may have (OpenAI's: 50,000).")
+    lease_s: float = Field(10, gt=0, description="A gateway process runs a batch while it renews its lease; a "
+                           "batch whose runner died (its lease lapsed) is taken over and resumed.")
+    poll_s: float = Field(1, gt=0, description="How often a gateway process looks for batches to run, and a "
+                          "running batch for a cancel or its expiry.")
+
+
 class MetricsConfig(_Strict):
     port: int | None = Field(
         None, ge=1, le=65535,
@@ -209,6 +236,8 @@ class TandemConfig(_Strict):
                              "by default: without keys every request is served).")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Input limits and the request timeout.")
     cors: CorsConfig = Field(default_factory=CorsConfig, description="CORS for browser clients (off by default).")
+    batches: BatchesConfig = Field(default_factory=BatchesConfig, description="OpenAI's Files and Batch API: "
+                                   "durable jobs served at the lowest priority on the running models.")
     config_dir: Path = Field(Path("."), description="Where relative paths in the config (key files) are resolved; "
                              "set by the loader to the config file's folder.")
     models: list[ModelConfig] = Field(min_length=1, description="The models to serve.")
@@ -245,6 +274,18 @@ class TandemConfig(_Strict):
             if weights.setdefault(tenant, key.weight) != key.weight:
                 raise ValueError(f"auth.api_keys.{i}.weight: tenant {tenant!r} has keys of weights "
                                  f"{weights[tenant]:g} and {key.weight:g}; give its keys one weight")
+        return self
+
+    @model_validator(mode="after")
+    def _batches_below_online(self) -> TandemConfig:
+        if not self.batches.enabled:
+            return self
+        for i, key in enumerate(self.auth.api_keys):
+            for field in ("priority", "min_priority"):
+                value = getattr(key, field)
+                if value is not None and value >= self.batches.priority:
+                    raise ValueError(f"auth.api_keys.{i}.{field}: {value} is not more urgent than batch lines "
+                                     f"(batches.priority {self.batches.priority}); lower it or raise that")
         return self
 
     def model(self, name: str) -> ModelConfig | None:

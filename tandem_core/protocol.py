@@ -105,6 +105,21 @@ ROUTE_TABLE: tuple[RouteSpec, ...] = (
               "(`lora_name`) from every replica of its base model."),
     RouteSpec("usage", "GET", "/admin/usage", admin=True, doc="Requests and tokens (as the clients' `usage` "
               "said) per tenant and per API key, by model, summed over every gateway process."),
+    RouteSpec("files_create", "POST", "/v1/files", doc="Upload a file (OpenAI's Files API; multipart `file` and "
+              "`purpose`; a batch's input is JSONL, up to `batches.max_file_bytes`)."),
+    RouteSpec("files_list", "GET", "/v1/files", doc="The files of the caller's tenant (`purpose`, `limit`, `after`, "
+              "`order`)."),
+    RouteSpec("file", "GET", "/v1/files/{file_id}", doc="One file."),
+    RouteSpec("file_delete", "DELETE", "/v1/files/{file_id}", doc="Delete a file."),
+    RouteSpec("file_content", "GET", "/v1/files/{file_id}/content", doc="A file's bytes."),
+    RouteSpec("batches_create", "POST", "/v1/batches", doc="Create a batch (OpenAI's Batch API): its lines run on "
+              "the running models at `batches.priority`, below every online request; durable across restarts."),
+    RouteSpec("batches_list", "GET", "/v1/batches", doc="The batches of the caller's tenant, newest first "
+              "(`after`, `limit`)."),
+    RouteSpec("batch", "GET", "/v1/batches/{batch_id}", doc="One batch: its status, timestamps, counts, usage "
+              "and files."),
+    RouteSpec("batch_cancel", "POST", "/v1/batches/{batch_id}/cancel", doc="Cancel a batch: it ends `cancelled` "
+              "with the lines finished so far."),
     RouteSpec("health", "GET", "/health", doc="Liveness: the gateway process answers."),
     RouteSpec("ready", "GET", "/ready", doc="Readiness: some model has a healthy replica (a model without one "
               "answers its own requests 503, never taking the others out of service); `?model=NAME` (repeatable): "

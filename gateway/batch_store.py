@@ -1,0 +1,260 @@
+"""The durable state of the Files and Batch API: one SQLite database (WAL) and a folder of files
+under ``batches.data_dir``. Pure: no asyncio, no HTTP; every method is one short transaction.
+
+Tables:
+- ``files``: every file (uploaded inputs, produced outputs and errors); its bytes are
+  ``files/<id>`` in the data dir, written before its row (a row always has its bytes).
+- ``batches``: one row per batch: its status and the timestamp of each status it reached, its
+  owner (the gateway process running it) and the owner's lease.
+- ``lines``: one row per input line: ``pending`` until its answer is stored, then ``done`` (an
+  answer for the output file) or ``failed`` (one for the error file), with its usage.
+
+Nothing is lost or done twice across a crash (SIGKILL): a line's answer and its state change in
+one transaction, so a line is either pending (it runs again) or answered (it never runs again),
+and the output and error files are written once, from the stored answers, when the batch ends.
+
+Ownership (several gateway processes, or a restart): a process runs a batch while it holds its
+lease (``owner``, ``lease_until``); it renews the lease every poll. A lease that lapsed (its
+process died) is taken by the next process that polls: ``BEGIN IMMEDIATE`` makes the take one
+writer's, so exactly one process runs each batch. WAL lets every process read meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+# OpenAI's batch statuses; the last four are final.
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+FINAL = ("completed", "failed", "expired", "cancelled")
+STATUSES = ACTIVE + FINAL
+TIMESTAMPS = {"in_progress": "in_progress_at", "finalizing": "finalizing_at", "completed": "completed_at",
+              "failed": "failed_at", "expired": "expired_at", "cancelling": "cancelling_at",
+              "cancelled": "cancelled_at"}
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY, purpose TEXT NOT NULL, filename TEXT NOT NULL, bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL, expires_at INTEGER, tenant TEXT);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY, tenant TEXT, key TEXT, endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL,
+    completion_window TEXT NOT NULL, metadata TEXT, output_expires_s INTEGER, status TEXT NOT NULL,
+    created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL, in_progress_at INTEGER, finalizing_at INTEGER,
+    completed_at INTEGER, failed_at INTEGER, expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER,
+    output_file_id TEXT, error_file_id TEXT, errors TEXT, model TEXT, owner TEXT, lease_until REAL);
+CREATE TABLE IF NOT EXISTS lines (
+    batch_id TEXT NOT NULL, idx INTEGER NOT NULL, custom_id TEXT, request TEXT, state TEXT NOT NULL,
+    answer TEXT, input_tokens INTEGER DEFAULT 0, cached_tokens INTEGER DEFAULT 0,
+    output_tokens INTEGER DEFAULT 0, reasoning_tokens INTEGER DEFAULT 0, PRIMARY KEY (batch_id, idx));
+CREATE INDEX IF NOT EXISTS lines_pending ON lines (batch_id, state);
+"""
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class Line:
+    idx: int
+    custom_id: str | None
+    request: dict | None  # the validated line ({custom_id, method, url, body}); None: it failed validation
+    answer: dict | None = None  # the output line, once answered
+
+
+class BatchStore:
+    def __init__(self, data_dir: Path | str):
+        self.dir = Path(data_dir)
+        (self.dir / "files").mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.dir / "tandem.db", timeout=30, isolation_level=None,
+                                  check_same_thread=False)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")  # durable across a process crash (not power loss)
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _write(self):
+        """One writer's transaction (``with store._write():``)."""
+        return _Immediate(self.db)
+
+    # -- files ---------------------------------------------------------------------------------------
+    def file_path(self, file_id: str) -> Path:
+        return self.dir / "files" / file_id
+
+    def add_file(self, data: bytes, purpose: str, filename: str, tenant: str | None,
+                 expires_at: int | None = None, file_id: str | None = None) -> dict:
+        file_id = file_id or new_id("file")
+        path = self.file_path(file_id)
+        tmp = path.with_suffix(".part")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # the bytes before the row: a row always has its bytes
+        now = int(time.time())
+        with self._write():
+            self.db.execute("INSERT OR REPLACE INTO files VALUES (?,?,?,?,?,?,?)",
+                            (file_id, purpose, filename, len(data), now, expires_at, tenant))
+        return self.file(file_id)
+
+    def file(self, file_id: str) -> dict | None:
+        row = self.db.execute("SELECT * FROM files WHERE id=?", (file_id,)).fetchone()
+        return dict(row) if row is not None else None
+
+    def files(self, purpose: str | None = None) -> list[dict]:
+        q, args = "SELECT * FROM files", ()
+        if purpose is not None:
+            q, args = q + " WHERE purpose=?", (purpose,)
+        return [dict(r) for r in self.db.execute(q + " ORDER BY created_at, id", args)]
+
+    def delete_file(self, file_id: str) -> bool:
+        with self._write():
+            gone = self.db.execute("DELETE FROM files WHERE id=?", (file_id,)).rowcount > 0
+        if gone:
+            self.file_path(file_id).unlink(missing_ok=True)
+        return gone
+
+    def expired_files(self, now: float) -> list[str]:
+        return [r["id"] for r in self.db.execute(
+            "SELECT id FROM files WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))]
+
+    # -- batches -------------------------------------------------------------------------------------
+    def add_batch(self, *, endpoint: str, input_file_id: str, completion_window: str, window_s: int,
+                  metadata: dict | None, output_expires_s: int | None, tenant: str | None, key: str | None) -> dict:
+        batch_id = new_id("batch")
+        now = int(time.time())
+        with self._write():
+            self.db.execute(
+                "INSERT INTO batches (id, tenant, key, endpoint, input_file_id, completion_window, metadata, "
+                "output_expires_s, status, created_at, expires_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (batch_id, tenant, key, endpoint, input_file_id, completion_window,
+                 json.dumps(metadata) if metadata is not None else None, output_expires_s, "validating", now,
+                 now + window_s))
+        return self.batch(batch_id)
+
+    def batch(self, batch_id: str) -> dict | None:
+        row = self.db.execute("SELECT * FROM batches WHERE id=?", (batch_id,)).fetchone()
+        return dict(row) if row is not None else None
+
+    def batches(self) -> list[dict]:
+        return [dict(r) for r in self.db.execute("SELECT * FROM batches ORDER BY created_at DESC, rowid DESC")]
+
+    def move(self, batch_id: str, status: str, only_from: Iterable[str] = ACTIVE, **fields) -> bool:
+        """Set a batch's status (and its timestamp, and ``fields``) if it is in ``only_from``."""
+        assert status in STATUSES, status
+        sets = {"status": status, **fields}
+        if status in TIMESTAMPS:
+            sets[TIMESTAMPS[status]] = int(time.time())
+        only = tuple(only_from)
+        with self._write():
+            return self.db.execute(
+                f"UPDATE batches SET {', '.join(f'{k}=?' for k in sets)} WHERE id=? AND status IN "
+                f"({','.join('?' * len(only))})", (*sets.values(), batch_id, *only)).rowcount > 0
+
+    def claim(self, owner: str, lease_s: float, now: float | None = None) -> list[str]:
+        """The active batches ``owner`` runs from now on: the ones it holds (lease renewed) and any
+        whose lease lapsed or that nobody holds yet (taken)."""
+        now = time.time() if now is None else now
+        with self._write():
+            self.db.execute(
+                f"UPDATE batches SET owner=?, lease_until=? WHERE status IN ({','.join('?' * len(ACTIVE))}) "
+                "AND (owner IS NULL OR owner=? OR lease_until < ?)", (owner, now + lease_s, *ACTIVE, owner, now))
+            return [r["id"] for r in self.db.execute(
+                "SELECT id FROM batches WHERE owner=? AND status IN "
+                f"({','.join('?' * len(ACTIVE))}) ORDER BY created_at, rowid", (owner, *ACTIVE))]
+
+    def release(self, owner: str) -> None:
+        """A process that stops (drained) lets another take its batches at once."""
+        with self._write():
+            self.db.execute("UPDATE batches SET owner=NULL, lease_until=NULL WHERE owner=?", (owner,))
+
+    # -- lines ---------------------------------------------------------------------------------------
+    def add_lines(self, batch_id: str, lines: list[Line], model: str | None) -> None:
+        """The validated input, once (a batch that already has lines keeps them: resumed)."""
+        with self._write():
+            if self.db.execute("SELECT 1 FROM lines WHERE batch_id=? LIMIT 1", (batch_id,)).fetchone():
+                return
+            self.db.executemany(
+                "INSERT INTO lines (batch_id, idx, custom_id, request, state, answer) VALUES (?,?,?,?,?,?)",
+                [(batch_id, ln.idx, ln.custom_id, json.dumps(ln.request) if ln.request is not None else None,
+                  "pending" if ln.answer is None else "failed",
+                  json.dumps(ln.answer) if ln.answer is not None else None) for ln in lines])
+            self.db.execute("UPDATE batches SET model=? WHERE id=?", (model, batch_id))
+
+    def has_lines(self, batch_id: str) -> bool:
+        return self.db.execute("SELECT 1 FROM lines WHERE batch_id=? LIMIT 1", (batch_id,)).fetchone() is not None
+
+    def pending(self, batch_id: str) -> list[Line]:
+        return [Line(r["idx"], r["custom_id"], json.loads(r["request"])) for r in self.db.execute(
+            "SELECT idx, custom_id, request FROM lines WHERE batch_id=? AND state='pending' ORDER BY idx",
+            (batch_id,))]
+
+    def answer(self, batch_id: str, idx: int, answer: dict, ok: bool, usage: dict | None = None) -> bool:
+        """Store a line's answer, if it is still pending (one answer per line, ever)."""
+        u = _usage_counts(usage)
+        with self._write():
+            return self.db.execute(
+                "UPDATE lines SET state=?, answer=?, input_tokens=?, cached_tokens=?, output_tokens=?, "
+                "reasoning_tokens=? WHERE batch_id=? AND idx=? AND state='pending'",
+                ("done" if ok else "failed", json.dumps(answer), *u, batch_id, idx)).rowcount > 0
+
+    def counts(self, batch_id: str) -> dict:
+        """``request_counts`` and ``usage`` as OpenAI's Batch object has them."""
+        r = self.db.execute(
+            "SELECT COUNT(*) AS total, SUM(state='done') AS completed, SUM(state='failed') AS failed, "
+            "SUM(input_tokens) AS i, SUM(cached_tokens) AS c, SUM(output_tokens) AS o, SUM(reasoning_tokens) AS r "
+            "FROM lines WHERE batch_id=?", (batch_id,)).fetchone()
+        i, o = r["i"] or 0, r["o"] or 0
+        return {"request_counts": {"total": r["total"], "completed": r["completed"] or 0, "failed": r["failed"] or 0},
+                "usage": {"input_tokens": i, "input_tokens_details": {"cached_tokens": r["c"] or 0},
+                          "output_tokens": o, "output_tokens_details": {"reasoning_tokens": r["r"] or 0},
+                          "total_tokens": i + o}}
+
+    def answers(self, batch_id: str, state: str) -> list[dict]:
+        return [json.loads(r["answer"]) for r in self.db.execute(
+            "SELECT answer FROM lines WHERE batch_id=? AND state=? ORDER BY idx", (batch_id, state))]
+
+    def states(self) -> dict[str, int]:
+        """Batches per status (for the metrics)."""
+        rows = self.db.execute("SELECT status, COUNT(*) AS n FROM batches GROUP BY status")
+        return {r["status"]: r["n"] for r in rows}
+
+    def oldest_active(self) -> int | None:
+        r = self.db.execute(f"SELECT MIN(created_at) AS t FROM batches WHERE status IN "
+                            f"({','.join('?' * len(ACTIVE))})", ACTIVE).fetchone()
+        return r["t"]
+
+
+def _usage_counts(usage: dict | None) -> tuple[int, int, int, int]:
+    """(input, cached, output, reasoning) tokens of an answer's ``usage`` (chat/completions or
+    responses names)."""
+    if not isinstance(usage, dict):
+        return 0, 0, 0, 0
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens")) or 0
+    output = usage.get("completion_tokens", usage.get("output_tokens")) or 0
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    out_details = usage.get("completion_tokens_details") or usage.get("output_tokens_details") or {}
+    return (int(prompt), int(details.get("cached_tokens") or 0), int(output),
+            int(out_details.get("reasoning_tokens") or 0))
+
+
+class _Immediate:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on an error): the write lock taken first,
+    so two processes' read-then-write never interleave."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+
+    def __enter__(self):
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, exc_type, exc, tb):
+        self.db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+        return False
