@@ -5,9 +5,15 @@ Property tests (hypothesis) draw new examples on every local run, to find what n
 under CI (``CI`` set) they are derandomized, so a red CI is reproducible and never luck."""
 
 import os
+import tempfile
 
 import pytest
 from hypothesis import settings
+
+# Durable state (the batch store: ``batches.data_dir`` defaults under XDG_STATE_HOME) of every
+# gateway the tests start, in-process or as `tandem serve`, goes to a folder of this run, never
+# to the user's own.
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="tandem-test-state-")
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
