@@ -196,9 +196,9 @@ def default_data_dir() -> Path:
 
 class BatchesConfig(_Strict):
     enabled: bool = Field(True, description="Serve OpenAI's Files and Batch API (`/v1/files`, `/v1/batches`).")
-    data_dir: Path = Field(default_factory=default_data_dir, description="Where the batch jobs' SQLite database "
-                           "and the uploaded and produced files live (survives restarts; default: "
-                           "$XDG_STATE_HOME/tandem or ~/.local/state/tandem).")
+    data_dir: Path | None = Field(None, description="Where the batch jobs' SQLite database and the uploaded and "
+                                  "produced files live, across restarts (None: $XDG_STATE_HOME/tandem, else "
+                                  "~/.local/state/tandem).")
     priority: int = Field(1000, description="The priority of batch lines (vLLM's field, lower is more urgent): "
                           "below every online request, whose priority (and every key's) must be lower.")
     lines_in_flight: int = Field(16, ge=1, description="Lines of one batch sent at once (admission and the "
@@ -210,6 +210,11 @@ class BatchesConfig(_Strict):
                            "batch whose runner died (its lease lapsed) is taken over and resumed.")
     poll_s: float = Field(1, gt=0, description="How often a gateway process looks for batches to run, and a "
                           "running batch for a cancel or its expiry.")
+
+    @property
+    def directory(self) -> Path:
+        """``data_dir``, or the default state folder."""
+        return self.data_dir if self.data_dir is not None else default_data_dir()
 
 
 class MetricsConfig(_Strict):
