@@ -54,7 +54,7 @@ def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
 
 
 def test_the_sdk_runs_a_batch_on_both_kinds(stack):
-    client = stack.client(max_retries=0)
+    client = stack.client(timeout=300)
     chat = [_chat(i, "tiny-llama") for i in range(100)] + [_chat(i, "tiny-diffusiongemma") for i in range(40)]
     malformed = ["{not json", json.dumps({**_chat(0, "tiny-llama"), "custom_id": "bad-url", "url": "/v1/completions"}),
                  json.dumps({**_chat(1, "tiny-llama"), "custom_id": "no-model",
@@ -88,7 +88,7 @@ def test_the_sdk_runs_a_batch_on_both_kinds(stack):
 
 
 def test_cancel_and_expiry_on_the_real_stack(stack):
-    client = stack.client(max_retries=0)
+    client = stack.client(timeout=300)
     lines = [_chat(i, "tiny-llama", max_tokens=48) for i in range(300)]
     f = client.files.create(file=("batch.jsonl", _jsonl(lines)), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -102,6 +102,10 @@ def test_cancel_and_expiry_on_the_real_stack(stack):
     assert len(output) == batch.request_counts.completed and 5 <= len(output) < 300
 
     # A window shorter than the batch takes: expired, its finished lines kept, the rest in the error file.
+    # (300 lines of 256 tokens: ~15 s on this box, 5x the window)
+    lines = [_chat(i, "tiny-llama", max_tokens=256) for i in range(300)]
+    for line in lines:
+        line["body"]["ignore_eos"] = True  # (vLLM's field: whatever a random model says, 256 tokens)
     batch = _run(client, lines, "/v1/chat/completions", window="3s", timeout=120)
     assert batch.status == "expired", batch
     output, errors = _lines(client, batch.output_file_id), _lines(client, batch.error_file_id)

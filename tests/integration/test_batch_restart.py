@@ -60,7 +60,7 @@ def test_a_batch_resumes_after_sigkill_with_every_line_once(tmp_path):
         wait_for(ready, "the first tandem serve to be ready", timeout=READY_TIMEOUT_S, interval=1)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-                  "body": {"model": "tiny-llama", "max_tokens": 24, "temperature": 0,
+                  "body": {"model": "tiny-llama", "max_tokens": 64, "temperature": 0, "ignore_eos": True,
                            "messages": [{"role": "user", "content": f"Count to {i}."}]}} for i in range(LINES)]
         f = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
                                 purpose="batch")
