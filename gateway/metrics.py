@@ -107,18 +107,23 @@ def mark_process_dead(pid: int) -> None:
 
 
 ANONYMOUS = DEFAULT_TENANT  # the tenant of requests when auth is off (admission's too)
-PRIORITY_CLASSES = ("urgent", "default", "bulk")
+PRIORITY_CLASSES = ("urgent", "default", "bulk", "batch")
+BATCH_PRIORITY = 1000  # ``batches.priority``'s default: lines of the Batch API
 
 
-def priority_class(priority: int) -> str:
-    """A bounded label for vLLM's unbounded integer priority."""
+def priority_class(priority: int, batch_priority: int = BATCH_PRIORITY) -> str:
+    """A bounded label for vLLM's unbounded integer priority (``batch``: the Batch API's lines)."""
+    if priority >= batch_priority:
+        return "batch"
     return "urgent" if priority < 0 else "default" if priority == 0 else "bulk"
 
 USAGE = (("requests", "requests"), ("prompt_tokens", "prompt tokens"), ("generation_tokens", "generated tokens"))
 
 
 class Metrics:
-    def __init__(self, models: list[str], tenants: dict[str, str] | None = None):
+    def __init__(self, models: list[str], tenants: dict[str, str] | None = None,
+                 batch_priority: int = BATCH_PRIORITY):
+        self.batch_priority = batch_priority
         """``tenants``: each API key's name -> its tenant (none: auth is off, one tenant)."""
         self.models = set(models)
         self.tenant_of = dict(tenants or {})
@@ -181,7 +186,8 @@ class Metrics:
         self.key_usage = {what: Counter(f"tandem_key_{what}", f"{text.capitalize()} per API key.", ["key", "model"],
                                         registry=r) for what, text in USAGE}
         self.admitted_wait = Histogram("tandem_admission_wait_seconds", "Time from arrival to a replica slot, by "
-                                       "priority class (urgent < 0, default 0, bulk > 0).", ["model", "priority_class"],
+                                       "priority class (urgent < 0, default 0, bulk > 0, batch: batches.priority "
+                                       "and beyond).", ["model", "priority_class"],
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.queued_by_class = Gauge("tandem_admission_queued", "Requests waiting in the gateway, by priority class.",
                                      ["model", "priority_class"], registry=r, multiprocess_mode="livesum")
@@ -241,12 +247,12 @@ class Metrics:
     def set_queued_by_class(self, model: str, by_priority: dict[int, int]) -> None:
         counts = dict.fromkeys(PRIORITY_CLASSES, 0)
         for priority, n in by_priority.items():
-            counts[priority_class(priority)] += n
+            counts[priority_class(priority, self.batch_priority)] += n
         for cls, n in counts.items():
             self.queued_by_class.labels(model, cls).set(n)
 
     def observe_admitted(self, model: str, priority: int, waited_s: float) -> None:
-        self.admitted_wait.labels(model, priority_class(priority)).observe(waited_s)
+        self.admitted_wait.labels(model, priority_class(priority, self.batch_priority)).observe(waited_s)
 
     def set_batches(self, by_status: dict[str, int], oldest_active: float | None) -> None:
         for status in STATUSES:

@@ -57,7 +57,8 @@ class Service:
                 logger.warning("tenants' weights apply when requests queue in the gateway: models %s have no "
                                "max_in_flight_per_replica, so their engines queue every request (priority first, "
                                "then arrival) and the shares do not hold there", ", ".join(unbounded))
-        self.metrics = Metrics([m.name for m in config.models] + list(self.adapters.base), tenants)
+        self.metrics = Metrics([m.name for m in config.models] + list(self.adapters.base), tenants,
+                               batch_priority=config.batches.priority)
         self.supervisor = Supervisor(config, deployment, self.router, self.metrics)
         self.supervisor.on_fatal = self._fatal
         self.supervisor.on_engine_started = self.adapters.on_started
