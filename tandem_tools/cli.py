@@ -201,13 +201,25 @@ def build_parser() -> argparse.ArgumentParser:
     bench_prefix.add_arguments(bench_parser)
     bench_diffusion_prefix.add_arguments(bench_parser)
     bench_parser.set_defaults(func=cmd_bench)
+
+    from tandem_tools import run_batch
+
+    rb = sub.add_parser("run-batch", help="answer a batch file of OpenAI requests (as `vllm run-batch`)",
+                        usage="tandem run-batch -i IN.jsonl -o OUT.jsonl (--url URL | MODEL [flags] | --config FILE)",
+                        description="Answer a batch file of OpenAI request lines ({custom_id, method, url, body}) "
+                                    "into one output file, one answer per line in input order, as `vllm run-batch` "
+                                    "does, through tandem's serving path: the Batch API of a running tandem (--url), "
+                                    "or of one started for MODEL (with `tandem serve MODEL`'s flags) or --config "
+                                    "FILE and stopped after. Lines of several endpoints: one batch each.")
+    run_batch.add_arguments(rb)
+    rb.set_defaults(func=run_batch.main)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and not (args.command == "serve" and args.model is not None) and not (
+    if extra and not (args.command in ("serve", "run-batch") and args.model is not None) and not (
             args.command == "bench" and args.mode == "tenants"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra  # `tandem serve MODEL`: vLLM's other serve flags (serve_model.vllm_flags checks them)

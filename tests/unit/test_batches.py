@@ -213,3 +213,19 @@ def test_two_processes_one_runner_per_batch(tmp_path):
     assert a.claim("a", 10) == []
     b.release("b")
     assert a.claim("a", 10) == [batch["id"]]  # released on a clean stop: taken at once
+
+
+def test_run_batch_against_a_running_tandem_mixes_endpoints_in_input_order(tmp_path):
+    from tandem_tools import cli
+
+    with _gateway(tmp_path) as (url, _, _):
+        lines = [_line(0), _line(1, "/v1/completions"), "not json", _line(2), _line(3, "/v1/completions")]
+        src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+        src.write_bytes(_jsonl(lines))
+        assert cli.main(["run-batch", "-i", str(src), "-o", str(out), "--url", url]) == 0
+        answers = [json.loads(x) for x in out.read_text().splitlines()]
+        assert [a["custom_id"] for a in answers] == ["c0", "c1", None, "c2", "c3"]
+        assert answers[0]["response"]["body"]["object"] == "chat.completion"
+        assert answers[1]["response"]["body"]["object"] == "text_completion"
+        assert answers[2]["error"]["code"] == "invalid_json_line"
+    assert cli.main(["run-batch", "-i", str(src), "-o", str(out)]) == 2  # neither a server nor a model
