@@ -41,13 +41,16 @@ ALL_CORES = set(os.sched_getaffinity(0))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=["ar", "diffusion", "prefix", "diffusion-prefix", "tenants"], default="ar",
+    p.add_argument("--mode", choices=["ar", "diffusion", "prefix", "diffusion-prefix", "tenants", "batch"],
+                   default="ar",
                    help="ar: tandem vs `vllm serve`, vllm-router and smg, load from `vllm bench serve` "
                         "(default); diffusion: tandem's batcher vs HF generate(); prefix: multi-tenant "
                         "prompts on 2 replicas under p2c, session affinity and prefix routing; "
                         "diffusion-prefix: the diffusion prefix cache on vs off (shape-diffusiongemma-deep); "
                         "tenants: priority and weighted shares on one replica (its own flags: python -m "
-                        "tandem_tools.bench_tenants --help, passed after --mode tenants)")
+                        "tandem_tools.bench_tenants --help, passed after --mode tenants); batch: the Batch API "
+                        "against the same requests online, interactive TTFT with a batch running, resume after a "
+                        "kill (its own flags: python -m tandem_tools.bench_batch --help)")
     p.add_argument("--concurrency", default="1,8,32",
                    help="comma-separated levels (default: 1,8,32; diffusion mode: 1,4,8,16, and 1,4,MAX_BATCH "
                         "for the shape model)")

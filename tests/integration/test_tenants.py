@@ -155,3 +155,44 @@ def test_an_interactive_request_is_served_under_a_bulk_flood(stack, model):
     for cls in ("default", "bulk"):
         line = f'tandem_admission_wait_seconds_count{{model="{model}",priority_class="{cls}"}}'
         assert line in text, cls
+
+
+def test_a_batch_runs_once_under_its_keys_tenant_behind_two_processes(stack):
+    """A batch submitted with team-a's key: one of the two gateway processes runs it (every
+    custom_id once), its lines count to team-a's usage, and another tenant's key cannot see it."""
+    import json
+
+    alpha, beta = _client(stack, ALPHA), _client(stack, BETA)
+    lines = [{"custom_id": f"{model}-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": f"Hi {i}"}]}}
+             for model in MODELS for i in range(10)]
+    before = _usage_of(stack)
+    f = alpha.files.create(file=("b.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch")
+    batch = alpha.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        beta.batches.retrieve(batch.id)
+    with pytest.raises(openai.NotFoundError):
+        beta.files.retrieve(f.id)
+    assert batch.id not in [b.id for b in beta.batches.list().data]
+    state = {}
+
+    def done() -> bool:
+        state["b"] = alpha.batches.retrieve(batch.id)
+        return state["b"].status in ("completed", "failed", "expired", "cancelled")
+
+    wait_for(done, "the batch to finish", timeout=600, interval=1)
+    b = state["b"]
+    assert b.status == "completed" and b.request_counts.completed == 20, b
+    output = [json.loads(x) for x in alpha.files.content(b.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in output) == sorted(x["custom_id"] for x in lines)
+    assert _client(stack, ADMIN).batches.retrieve(batch.id).id == batch.id  # an admin sees every tenant's
+    expected = {m: [10, sum(o["response"]["body"]["usage"]["prompt_tokens"] for o in output if o["custom_id"].startswith(m + "-")),
+                    sum(o["response"]["body"]["usage"]["completion_tokens"] for o in output
+                        if o["custom_id"].startswith(m + "-"))] for m in MODELS}
+
+    def grown() -> dict:
+        now = _usage_of(stack)
+        return {m: [a - b for a, b in zip(_tokens(now, "team-a", m), _tokens(before, "team-a", m), strict=True)]
+                for m in MODELS}
+
+    wait_for(lambda: grown() == expected, f"team-a's counters to grow by the batch's usage {expected}", timeout=60)
