@@ -134,3 +134,25 @@ def test_a_route_the_model_does_not_serve_is_a_400_naming_it(embed_stack, stack)
     r = httpx.post(stack.url + "/v1/embeddings", json={"model": "tiny-llama", "input": "x"}, timeout=60)
     assert r.status_code == 400 and "POST /v1/embeddings is not served by model 'tiny-llama'" in \
         r.json()["error"]["message"]
+
+
+def test_an_embeddings_batch_answers_what_the_online_route_answers(embed_stack):
+    """OpenAI's Batch API with `/v1/embeddings` lines (issue 34): each line's body is what the
+    online route answers for it (floats within 1e-5)."""
+    import json
+    import time
+
+    client = openai.OpenAI(base_url=embed_stack.url + "/v1", api_key="unused", max_retries=0)
+    bodies = [b for path, b in CALLS if path == "/v1/embeddings" and b.get("dimensions") != 0]
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings", "body": b} for i, b in enumerate(bodies)]
+    f = client.files.create(file=("e.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    deadline = time.monotonic() + 300
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.5)
+    assert batch.status == "completed" and batch.request_counts.completed == len(lines), batch
+    answers = {o["custom_id"]: o for o in map(json.loads, client.files.content(batch.output_file_id).text.splitlines())}
+    for line in lines:
+        online = httpx.post(embed_stack.url + "/v1/embeddings", json=line["body"], timeout=120).json()
+        assert _close(_strip(answers[line["custom_id"]]["response"]["body"]), _strip(online)), line["custom_id"]

@@ -229,3 +229,25 @@ def test_run_batch_against_a_running_tandem_mixes_endpoints_in_input_order(tmp_p
         assert answers[1]["response"]["body"]["object"] == "text_completion"
         assert answers[2]["error"]["code"] == "invalid_json_line"
     assert cli.main(["run-batch", "-i", str(src), "-o", str(out)]) == 2  # neither a server nor a model
+
+
+def test_uploads_have_their_own_body_limit_and_expired_files_go(tmp_path):
+    import httpx
+
+    extra = {"batches": {"data_dir": str(tmp_path / "data"), "poll_s": 0.1, "max_file_bytes": 4096},
+             "limits": {"max_body_bytes": 1024}}
+    with fake_gateway({"num_tokens": 3}, extra=extra) as (url, _, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        assert client.files.create(file=("in.jsonl", b"x" * 3000), purpose="batch").bytes == 3000  # over 1 KiB
+        with pytest.raises(openai.APIStatusError) as e:
+            client.files.create(file=("in.jsonl", b"x" * 5000), purpose="batch")
+        assert e.value.status_code == 413
+        big = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "x" * 2000}, timeout=30)
+        assert big.status_code == 413  # the other routes keep limits.max_body_bytes
+        store = BatchStore(tmp_path / "data")
+        gone = store.add_file(b"{}\n", "batch_output", "old.jsonl", None, expires_at=int(time.time()) - 1)
+        store.close()
+        wait_for(lambda: client.files.list().data and gone["id"] not in [x.id for x in client.files.list().data],
+                 "the expired file to be deleted", timeout=10)
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(gone["id"])
