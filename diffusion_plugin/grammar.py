@@ -90,18 +90,20 @@ class GrammarCompiler:
             return compiled
 
     def _json(self, schema: str) -> xgr.CompiledGrammar:
-        """Strict JSON (what ``json.loads`` accepts): xgrammar's rule for a string with a length
-        bound admits raw control characters (and no escapes), which JSON forbids; the grammar's
-        EBNF is compiled with that rule's characters limited as its plain strings' are."""
+        """Strict JSON (what ``json.loads`` accepts, counted as a validator counts): xgrammar's
+        rule for a string with a length bound admits raw control characters (and no escapes),
+        which JSON forbids, and both its string rules admit the bytes of a UTF-16 surrogate
+        (``ED A0..BF xx``) as one character, which decode to three U+FFFD (a random byte-level
+        model wrote a 12-character name under ``maxLength: 10``). The grammar's EBNF is compiled
+        with every string character class limited to scalar values, as JSON text's are."""
         grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=WHITESPACE))
-        strict = grammar.replace(_LOOSE_CHARS, _STRICT_CHARS)
-        if strict == grammar:
-            return self.compiler.compile_json_schema(schema, any_whitespace=True, max_whitespace_cnt=WHITESPACE)
+        strict = grammar.replace(_LOOSE_CHARS, _STRICT_CHARS).replace(_PLAIN_CHARS, _STRICT_CHARS)
         return self.compiler.compile_grammar(strict)
 
 
-_LOOSE_CHARS = '[^\\"\\\\\\r\\n]'
-_STRICT_CHARS = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+_LOOSE_CHARS = '[^\\"\\\\\\r\\n]'  # a length-bounded string's character
+_PLAIN_CHARS = '[^\\0-\\x1f\\"\\\\\\r\\n]'  # an unbounded string's character
+_STRICT_CHARS = '[^\\0-\\x1f\\"\\\\\\r\\n\\uD800-\\uDFFF]'
 
 
 _BITS = np.arange(32, dtype=np.int64)

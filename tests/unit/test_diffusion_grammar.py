@@ -136,3 +136,24 @@ def test_a_grammar_its_tokenizer_cannot_spell_ends_the_output_instead_of_failing
                                 lambda j, ids: masked_argmax(logits[j], ids))
     assert argmax == [1, 0, 0, 0] and sampled == [1, 0, 0, 0]  # "a", then nothing can follow: the end
     row.settle(committed=True)
+
+
+@pytest.mark.parametrize("schema", [{"type": "string", "maxLength": 3}, {"type": "string"}, {"type": "object"}])
+def test_json_strings_refuse_the_bytes_of_a_surrogate(schema):
+    """xgrammar counts ``ED A0 80`` (the UTF-8 form of U+D800, which is no character) as one
+    character; it decodes to three U+FFFD. A random byte-level model wrote a 12-character name
+    under ``maxLength: 10`` that way (CI). Every JSON string refuses it; real characters of 1 to 4
+    bytes still count as one."""
+    import xgrammar as xgr
+
+    vocab = [bytes([i]) for i in range(256)] + [b"<eos>"]
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[256])
+    compiled = GrammarCompiler(None, len(vocab), (256,), info=info).compile("json", json.dumps(schema))
+    prefix = b'{"k": "' if schema["type"] == "object" else b'"'
+
+    def takes(text: bytes) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return all(matcher.accept_token(b) for b in text)
+
+    assert not takes(prefix + b"\xed\xa0\x80")
+    assert takes(prefix + b"\xed\x9f\xbf\xe4\xb8\xad\xf0\x9f\x98\x80\"")  # U+D7FF, U+4E2D, U+1F600: 3 characters
