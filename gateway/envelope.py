@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.intake import Intake, take_in
 from gateway.router import NO_CLAIM, Claim
@@ -34,6 +34,9 @@ class Envelope:
     claim: Claim = NO_CLAIM  # priority, tenant, weight (``claim_of``)
     queue_deadline_s: float | None = None  # the longest it may wait for a slot (the client's header)
     trace: dict[str, str] | None = None  # W3C trace context from the caller
+    # What serving it measured, for its access line (``gateway.logs``): queue_s, ttft_s, replica,
+    # prompt_tokens, completion_tokens (the usage the client received)
+    stats: dict = field(default_factory=dict)
 
     @property
     def body(self) -> dict:

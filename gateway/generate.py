@@ -69,6 +69,7 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
     parsed (routes that take no JSON body); ``pin``: the replica that must serve it (a stored
     response). 499 when the client leaves before the first byte."""
     env = await envelope_of(request, service, route, body)
+    request.state.tandem_stats = env.stats  # for the access line (``gateway.logs``)
     request.state.tandem_model = service.metrics.model_label(service.router.aliases.get(env.model, env.model))
     try:
         answer = await serve(service, env, pin, lambda first: until_disconnect(request, first),
@@ -81,7 +82,8 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
         return JSONResponse(answer.json, headers=headers)
     metrics, model = service.metrics, request.state.tandem_model
     if route in DONE_ROUTES:  # the hot path: unchanged
-        body_iter = sse_body(answer.first, answer.items, answer.release, _chunk_observer(metrics, model, env.key_name))
+        body_iter = sse_body(answer.first, answer.items, answer.release,
+                             _chunk_observer(metrics, model, env.key_name, env.stats))
     else:
         body_iter = event_body(answer.first, answer.items, answer.release, route)
     return StreamingResponse(body_iter, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
@@ -134,8 +136,10 @@ async def serve(service: Service, env: Envelope, pin: Replica | None = None,
     while True:
         waited = now()
         slot = await _acquire(pool, env, cost, tried + others, prefix, adapter)
-        metrics.queue_wait.labels(model).observe(now() - waited)
-        metrics.observe_admitted(model, env.claim.priority, now() - waited)
+        env.stats["queue_s"] = now() - waited
+        env.stats["replica"] = slot.replica.id
+        metrics.queue_wait.labels(model).observe(env.stats["queue_s"])
+        metrics.observe_admitted(model, env.claim.priority, env.stats["queue_s"])
         metrics.in_flight.labels(model).inc()
         release = _releaser(pool, slot, metrics, model)
         request_id = response_id(slot.replica.id) if route == "responses" else engine_request_id(env)
@@ -161,8 +165,9 @@ async def serve(service: Service, env: Envelope, pin: Replica | None = None,
             metrics.retries.labels(model).inc()
             continue
         break
+    env.stats["ttft_s"] = now() - t0
     if isinstance(first, str):
-        metrics.ttft.labels(model).observe(now() - t0)
+        metrics.ttft.labels(model).observe(env.stats["ttft_s"])
         return Answer(slot.replica.id, first=first, items=items, release=release)
     await items.aclose()
     release()
@@ -170,6 +175,7 @@ async def serve(service: Service, env: Envelope, pin: Replica | None = None,
         raise first
     if isinstance(first, dict):  # what the client receives, counted to the model, its key and tenant
         metrics.observe_usage(model, first.get("usage"), env.key_name)
+        _note_usage(env.stats, first.get("usage"))
     return Answer(slot.replica.id, json=first)
 
 
@@ -284,7 +290,7 @@ def _deadline(request: Request) -> float | None:
     return ms / 1000.0
 
 
-def _chunk_observer(metrics, model: str, key_name: str | None):
+def _chunk_observer(metrics, model: str, key_name: str | None, stats: dict):
     last = now()
 
     def observe(chunk: str) -> None:
@@ -292,6 +298,14 @@ def _chunk_observer(metrics, model: str, key_name: str | None):
         t = now()
         metrics.chunk_gap.labels(model).observe(t - last)
         last = t
-        metrics.observe_sse(model, chunk, key_name)
+        usage = metrics.observe_sse(model, chunk, key_name)
+        if usage is not None:
+            _note_usage(stats, usage)
 
     return observe
+
+
+def _note_usage(stats: dict, usage: object) -> None:
+    if isinstance(usage, dict):
+        stats["prompt_tokens"] = usage.get("prompt_tokens", usage.get("input_tokens"))
+        stats["completion_tokens"] = usage.get("completion_tokens", usage.get("output_tokens"))

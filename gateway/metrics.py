@@ -289,10 +289,12 @@ class Metrics:
                 row[where[1]] += int(sample.value)
         return out
 
-    def observe_sse(self, model: str, chunk: str, key: str | None = None) -> None:
-        """Usage is reported in the stream's last data events, when the client asked for it."""
+    def observe_sse(self, model: str, chunk: str, key: str | None = None) -> dict | None:
+        """Usage is reported in the stream's last data events, when the client asked for it.
+        Returns the usage counted (None: none in this chunk)."""
         if '"usage"' not in chunk:
-            return
+            return None
+        found = None
         for line in chunk.split("\n"):
             if line.startswith("data: {") and '"usage"' in line:
                 try:
@@ -302,6 +304,8 @@ class Metrics:
                 # Responses' stream: the usage is the completed response's
                 usage = event.get("usage") or (event.get("response") or {}).get("usage")
                 self.observe_usage(model, usage, key)
+                found = usage or found
+        return found
 
     def set_replicas(self, rows: list[tuple[str, str, str, dict | None]], states: list[str]) -> None:
         """rows: (model, replica id, state, engine stats or None)."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from gateway.app import build_app
 from gateway.config import ConfigError, load_config, parse_config
+from gateway.logs import setup_logging
 from gateway.server import run_server
 from gateway.service import Service
 from tandem_core.config import DEFAULT_CONFIG
@@ -22,9 +23,6 @@ from workers.deployment import RayDeployment
 logger = logging.getLogger("tandem")
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -55,7 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from gateway.processes import serve_processes
 
         return serve_processes(config, ray_deployment, owner=not args.attach, log_level=args.log_level,
-                               access_log=args.access_log)
+                               access_log=args.access_log, log_format=args.log_format)
     # One process. The port first, before Ray starts its own processes (any of which may take a free
     # port): a port in use fails here, in one line. On a cluster (ray.address) the replicas are
     # named actors, so that `tandem serve --attach` on other nodes can serve them too; locally they
@@ -71,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     service = Service(config, ray_deployment(config, role=role))
     logger.info("tandem listening on http://%s:%d/v1 (models load in the background; GET /ready)",
                 gw.host, gw.port)
-    run_server(build_app(service), service, log_level=args.log_level, access_log=args.access_log, sockets=[sock])
+    run_server(build_app(service), service, log_level=args.log_level, sockets=[sock])
     if service.fatal:
         print(f"tandem: {service.fatal}", file=sys.stderr)
         return 2
@@ -159,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="log verbosity (default: info)")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="log lines as text (default) or as JSON objects, one per line (ts, level, logger, "
+                             "message, and the access fields)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="serve a model, or the models of a config, over the OpenAI API",
@@ -181,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "replicas (overrides gateway.processes; default 1)")
     g.add_argument("--attach", action="store_true", help="serve the replicas that the `tandem serve` of "
                    "another node created and supervises, on the cluster of ray.address (one per node)")
-    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--access-log", action="store_true", help="log one line per request: its id (X-Request-Id), "
+                   "method, path, status, model, tenant, key, queue time, time to first byte, total time, tokens "
+                   "in and out")
     serve.set_defaults(func=cmd_serve)
 
     build = sub.add_parser("build-tiny-models", help="build the built-in tiny models (random weights)",
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             args.command == "bench" and args.mode in ("tenants", "batch")):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra  # `tandem serve MODEL`: vLLM's other serve flags (serve_model.vllm_flags checks them)
-    _setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format, access_log=getattr(args, "access_log", False))
     return args.func(args)
 
 
