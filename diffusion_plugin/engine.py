@@ -312,7 +312,9 @@ class DiffusionEngine:
             "kv_pages_reserved": list(s.pages_reserved),  # per layer group (full first), one layer's pages
             "kv_pages_capacity": [g.pages for g in mem.groups] if mem else [],
             **self.intake.image_stats, **self._prefix_stats(),
-            "kv_cache_tokens": self._kv_cache_tokens},  # as a vLLM replica's stats say it
+            "kv_cache_tokens": self._kv_cache_tokens,  # as a vLLM replica's stats say it
+            "exposition": vllm_exposition(self.model, len(s.running), len(s.waiting), st.prompt_tokens,
+                                          st.tokens_committed, self._prefix_stats())},
             progress=st.row_steps + st.encode_passes)
 
     async def reset_prefix_cache(self) -> bool:
@@ -372,3 +374,31 @@ def create_engine(cfg, source_path: str) -> DiffusionEngine:
 
 
 __all__ = ["DiffusionEngine", "create_engine"]
+
+
+# vLLM's metric families that mean the same on a diffusion replica, under vLLM's names and labels,
+# so one dashboard (vLLM's own, or a KEDA rule on vllm:num_requests_waiting) covers both kinds.
+VLLM_FAMILIES = (
+    ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", "running"),
+    ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", "waiting"),
+    ("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", "prompt"),
+    ("vllm:generation_tokens", "counter", "Number of generation tokens processed.", "generation"),
+    ("vllm:prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+     "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+     "prefix_cache_hits"),
+)
+
+
+def vllm_exposition(model: str, running: int, waiting: int, prompt: int, generation: int, prefix: dict) -> str:
+    """The Prometheus text of ``VLLM_FAMILIES`` (labels ``model_name`` and ``engine``, as vLLM's)."""
+    values = {"running": running, "waiting": waiting, "prompt": prompt, "generation": generation, **prefix}
+    lines = []
+    for name, kind, doc, key in VLLM_FAMILIES:
+        if key not in values:
+            continue  # (no prefix cache: no prefix families, as vLLM without one)
+        sample = f"{name}_total" if kind == "counter" else name
+        lines += [f"# HELP {sample} {doc}", f"# TYPE {sample} {kind}",
+                  f'{sample}{{engine="0",model_name="{model}"}} {float(values[key])}']
+    return "\n".join(lines) + "\n"
+
