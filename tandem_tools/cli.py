@@ -66,7 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"tandem: cannot listen on {gw.host}:{gw.port}: {e.strerror or e}", file=sys.stderr)
         return 2
     role = Role.ATTACHED if args.attach else Role.OWNER if config.ray.address else Role.SOLO
-    service = Service(config, ray_deployment(config, role=role))
+    service = Service(config, ray_deployment(config, role=role), metrics_port=True)  # (attached: its own)
     logger.info("tandem listening on http://%s:%d/v1 (models load in the background; GET /ready)",
                 gw.host, gw.port)
     run_server(build_app(service), service, log_level=args.log_level, sockets=[sock])
