@@ -54,13 +54,14 @@ class Envelope:
     def key_name(self) -> str | None:
         return getattr(self.key, "name", None)
 
-    def engine_request(self, request_id: str) -> EngineRequest:
-        """What crosses the hop (``request_id``: the engine's id of this attempt)."""
+    def engine_request(self, request_id: str, trace: dict[str, str] | None = None) -> EngineRequest:
+        """What crosses the hop (``request_id``: the engine's id of this attempt; ``trace``: the
+        attempt's span context when tracing, else the caller's)."""
         deadline = None
         if self.intake.timeout_at is not None:  # loop time -> wall clock (the replica's clock)
             deadline = time.time() + (self.intake.timeout_at - asyncio.get_running_loop().time())
         return EngineRequest(self.route, self.intake.body, request_id, self.claim.priority,
-                             getattr(self.key, "tenant_name", None), self.key_name, deadline, self.trace)
+                             getattr(self.key, "tenant_name", None), self.key_name, deadline, trace or self.trace)
 
 
 def envelope(route: str, body: dict, *, request_id: str, config, key=None, request_id_from_client: bool = False,

@@ -15,6 +15,7 @@ from gateway.auth import resolve_keys
 from gateway.metrics import Metrics
 from gateway.router import ModelPool, Router
 from gateway.supervisor import Deployment, Supervisor
+from gateway.tracing import make_tracing
 from tandem_core.config import TandemConfig
 from tandem_core.protocol import Role
 
@@ -63,6 +64,7 @@ class Service:
                                "then arrival) and the shares do not hold there", ", ".join(unbounded))
         self.metrics = Metrics([m.name for m in config.models] + list(self.adapters.base), tenants,
                                batch_priority=config.batches.priority)
+        self.tracing = make_tracing(config.observability)  # None: off (no span is ever built)
         self.supervisor = Supervisor(config, deployment, self.router, self.metrics)
         self.supervisor.on_fatal = self._fatal
         self.supervisor.on_engine_started = self.adapters.on_started
@@ -119,3 +121,5 @@ class Service:
         await self.supervisor.stop()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # the spans left, exported

@@ -38,6 +38,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     gw = config.gateway.model_copy(update=overrides)
     config = config.model_copy(update={"gateway": gw})
+    if args.otlp_traces_endpoint:
+        config = config.model_copy(update={"observability": config.observability.model_copy(
+            update={"otlp_traces_endpoint": args.otlp_traces_endpoint})})
     if args.attach and not config.ray.address:
         print("tandem: --attach joins the replicas another `tandem serve` runs on a Ray cluster: set ray.address "
               "in the config (e.g. `auto` on a node of that cluster)", file=sys.stderr)
@@ -182,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "replicas (overrides gateway.processes; default 1)")
     g.add_argument("--attach", action="store_true", help="serve the replicas that the `tandem serve` of "
                    "another node created and supervises, on the cluster of ray.address (one per node)")
+    g.add_argument("--otlp-traces-endpoint", metavar="URL", help="export a trace per request (OpenTelemetry, "
+                   "OTLP over HTTP, or gRPC for grpc://HOST:PORT), as `vllm serve`'s flag (overrides "
+                   "observability.otlp_traces_endpoint)")
     g.add_argument("--access-log", action="store_true", help="log one line per request: its id (X-Request-Id), "
                    "method, path, status, model, tenant, key, queue time, time to first byte, total time, tokens "
                    "in and out")
