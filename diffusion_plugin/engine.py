@@ -35,6 +35,7 @@ from diffusion_plugin.request import SeqStatus
 from diffusion_plugin.scheduler import Scheduler
 from diffusion_plugin.structured import Structured, resolve, wanted, warm_structured
 from diffusion_plugin.token_text import TextOffsets, token_string
+from diffusion_plugin.vllm_names import vllm_exposition
 from tandem_core.errors import ErrorKind, TandemError, invalid
 from tandem_core.protocol import EngineInfo, EngineStats, Item
 
@@ -312,7 +313,9 @@ class DiffusionEngine:
             "kv_pages_reserved": list(s.pages_reserved),  # per layer group (full first), one layer's pages
             "kv_pages_capacity": [g.pages for g in mem.groups] if mem else [],
             **self.intake.image_stats, **self._prefix_stats(),
-            "kv_cache_tokens": self._kv_cache_tokens},  # as a vLLM replica's stats say it
+            "kv_cache_tokens": self._kv_cache_tokens,  # as a vLLM replica's stats say it
+            "exposition": vllm_exposition(self.model, len(s.running), len(s.waiting), st.prompt_tokens,
+                                          st.tokens_committed, self._prefix_stats())},
             progress=st.row_steps + st.encode_passes)
 
     async def reset_prefix_cache(self) -> bool:

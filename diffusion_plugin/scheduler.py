@@ -39,6 +39,7 @@ class SchedulerStats:
     row_steps_waiting: int = 0  # converged rows idle while a slower row finished its block (block mode)
     blocks_committed: int = 0
     tokens_committed: int = 0
+    prompt_tokens: int = 0  # of the sequences admitted to run (vLLM's prompt_tokens)
     tokens_scored: int = 0  # prompt tokens read in score blocks (echo, prompt_logprobs)
     encode_passes: int = 0
     aborted: int = 0
@@ -106,6 +107,7 @@ class Scheduler:
             self._done.append(Finished(seq))
             return
         seq.status = SeqStatus.WAITING
+        self.stats.prompt_tokens += seq.prompt_len
         # By priority, then arrival (vLLM's order): before the first waiting row that is less
         # urgent. Running rows are never preempted: a block ends within max_denoising_steps, and
         # the gateway's admission already lets urgent requests past a bulk queue.

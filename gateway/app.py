@@ -21,6 +21,7 @@ from gateway.batch_routes import register_batch_routes
 from gateway.batches import Batches
 from gateway.generate import generate, key_name_of, request_id_of, stored_response
 from gateway.intake import parse_json
+from gateway.logs import access_enabled, log_access
 from gateway.metrics import now
 from gateway.openapi import request_body_schema
 from gateway.security import install_security
@@ -148,6 +149,8 @@ class MetricsMiddleware:
             state = scope.get("state") or {}
             model = state.get("tandem_model", "other")
             m.observe_request(model, m.route_label(scope), status, now() - t0)
+            if access_enabled():
+                log_access(state, scope.get("method", ""), scope["path"], status, now() - t0)
             if "tandem_model" in state:  # a request to a model: its tenant's and key's
                 m.observe_served(model, state.get("tandem_key_name"))
 

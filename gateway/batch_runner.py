@@ -205,7 +205,7 @@ class BatchRunner:
             try:
                 env = envelope(route, dict(body), request_id=request_id, config=self.service.config, key=key,
                                max_depth=self.service.config.limits.max_json_depth, priority=self.config.priority)
-                answer = await serve(self.service, env)
+                answer = await serve(self.service, env, internal=True)
             except TandemError as e:
                 if e.kind in TRANSIENT and time.time() + delay < expires_at:
                     await asyncio.sleep(delay)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.intake import Intake, take_in
 from gateway.router import NO_CLAIM, Claim
@@ -34,6 +34,9 @@ class Envelope:
     claim: Claim = NO_CLAIM  # priority, tenant, weight (``claim_of``)
     queue_deadline_s: float | None = None  # the longest it may wait for a slot (the client's header)
     trace: dict[str, str] | None = None  # W3C trace context from the caller
+    # What serving it measured, for its access line (``gateway.logs``): queue_s, ttft_s, replica,
+    # prompt_tokens, completion_tokens (the usage the client received)
+    stats: dict = field(default_factory=dict)
 
     @property
     def body(self) -> dict:
@@ -51,13 +54,14 @@ class Envelope:
     def key_name(self) -> str | None:
         return getattr(self.key, "name", None)
 
-    def engine_request(self, request_id: str) -> EngineRequest:
-        """What crosses the hop (``request_id``: the engine's id of this attempt)."""
+    def engine_request(self, request_id: str, trace: dict[str, str] | None = None) -> EngineRequest:
+        """What crosses the hop (``request_id``: the engine's id of this attempt; ``trace``: the
+        attempt's span context when tracing, else the caller's)."""
         deadline = None
         if self.intake.timeout_at is not None:  # loop time -> wall clock (the replica's clock)
             deadline = time.time() + (self.intake.timeout_at - asyncio.get_running_loop().time())
         return EngineRequest(self.route, self.intake.body, request_id, self.claim.priority,
-                             getattr(self.key, "tenant_name", None), self.key_name, deadline, self.trace)
+                             getattr(self.key, "tenant_name", None), self.key_name, deadline, trace or self.trace)
 
 
 def envelope(route: str, body: dict, *, request_id: str, config, key=None, request_id_from_client: bool = False,

@@ -69,6 +69,7 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
     parsed (routes that take no JSON body); ``pin``: the replica that must serve it (a stored
     response). 499 when the client leaves before the first byte."""
     env = await envelope_of(request, service, route, body)
+    request.state.tandem_stats = env.stats  # for the access line (``gateway.logs``)
     request.state.tandem_model = service.metrics.model_label(service.router.aliases.get(env.model, env.model))
     try:
         answer = await serve(service, env, pin, lambda first: until_disconnect(request, first),
@@ -81,7 +82,8 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
         return JSONResponse(answer.json, headers=headers)
     metrics, model = service.metrics, request.state.tandem_model
     if route in DONE_ROUTES:  # the hot path: unchanged
-        body_iter = sse_body(answer.first, answer.items, answer.release, _chunk_observer(metrics, model, env.key_name))
+        body_iter = sse_body(answer.first, answer.items, answer.release,
+                             _chunk_observer(metrics, model, env.key_name, env.stats))
     else:
         body_iter = event_body(answer.first, answer.items, answer.release, route)
     return StreamingResponse(body_iter, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
@@ -102,14 +104,41 @@ class Answer:
 
 async def serve(service: Service, env: Envelope, pin: Replica | None = None,
                 watch: Callable[[Awaitable], Awaitable] | None = None,
-                admit: Callable[[Envelope], None] | None = None) -> Answer:
+                admit: Callable[[Envelope], None] | None = None, internal: bool = False) -> Answer:
     """Serve one request's record: check it, take a slot on a replica (queueing, deadlines, the
     request timeout), run it there, retry once elsewhere if that replica fails before the first
     byte. Raises a ``TandemError`` for any refusal or failure. ``pin``: the replica that must serve
     it; ``watch``: awaits the first item (racing it against the client leaving: ``ClientGone``);
     ``admit``: the caller's last check once the request is valid (the HTTP edge: the per-key
-    token rate limit), before it queues."""
+    token rate limit), before it queues; ``internal``: not a client's request (a batch line),
+    for its trace. Traced when ``service.tracing`` is on (``gateway.tracing``)."""
+    tracing = service.tracing
+    if tracing is None:
+        return await _serve(service, env, pin, watch, admit)
+    name = service.router.aliases.get(env.model, env.model)
+    model_cfg = service.config.model(name) or service.config.model(service.adapters.base_of(name) or "")
+    span = tracing.request_span(env, model_cfg.kind.value if model_cfg else "unknown", internal)
+    try:
+        answer = await _serve(service, env, pin, watch, admit, span)
+    except BaseException as e:
+        tracing.finish(span, stats=env.stats, error=e)
+        raise
+    if answer.json is not None:
+        tracing.finish(span, answer.json, env.stats)
+    else:  # a stream: its span ends with it
+        release = answer.release
+
+        def release_and_finish() -> None:
+            release()
+            tracing.finish(span, stats=env.stats)
+
+        answer.release = release_and_finish
+    return answer
+
+
+async def _serve(service: Service, env: Envelope, pin: Replica | None, watch, admit, span=None) -> Answer:
     t0 = now()
+    tracing = service.tracing
     metrics = service.metrics
     config = service.config
     route, body = env.route, env.body
@@ -133,36 +162,59 @@ async def serve(service: Service, env: Envelope, pin: Replica | None = None,
     tried: list[str] = []
     while True:
         waited = now()
-        slot = await _acquire(pool, env, cost, tried + others, prefix, adapter)
-        metrics.queue_wait.labels(model).observe(now() - waited)
-        metrics.observe_admitted(model, env.claim.priority, now() - waited)
+        queued = tracing.start_child(span, "admission", **{"tandem.priority": env.claim.priority,
+                                                           "tandem.tenant": env.claim.tenant}) if span else None
+        try:
+            slot = await _acquire(pool, env, cost, tried + others, prefix, adapter)
+        finally:
+            if queued is not None:
+                queued.set_attribute("tandem.queue_time_s", now() - waited)
+                queued.end()
+        env.stats["queue_s"] = now() - waited
+        env.stats["replica"] = slot.replica.id
+        metrics.queue_wait.labels(model).observe(env.stats["queue_s"])
+        metrics.observe_admitted(model, env.claim.priority, env.stats["queue_s"])
         metrics.in_flight.labels(model).inc()
         release = _releaser(pool, slot, metrics, model)
         request_id = response_id(slot.replica.id) if route == "responses" else engine_request_id(env)
-        items = slot.replica.handle.generate(env.engine_request(request_id), env.timeout_at)
+        attempt = tracing.start_child(span, "attempt", **{"tandem.replica.id": slot.replica.id,
+                                                          "tandem.replica.generation": slot.replica.generation,
+                                                          "tandem.engine_request_id": request_id}) if span else None
+        trace = tracing.context_of(attempt) if attempt is not None else None
+        items = slot.replica.handle.generate(env.engine_request(request_id, trace), env.timeout_at)
         try:
             first = await (watch(anext(items)) if watch is not None else anext(items))
         except ClientGone:
             await items.aclose()
             release()
+            _end_attempt(attempt, None)
             raise
         except StopAsyncIteration:
             release()
+            _end_attempt(attempt, None)
             raise TandemError(ErrorKind.ENGINE_ERROR, "the engine returned nothing") from None
         except TandemError as e:  # raised (the replica failed) or yielded (see below): one answer
             first = e
         except BaseException:
             await items.aclose()
             release()
+            _end_attempt(attempt, None)
             raise
         if isinstance(first, TandemError) and pin is None and _retry(first, pool, slot, tried):
             await items.aclose()
             release()
             metrics.retries.labels(model).inc()
+            _end_attempt(attempt, first)
             continue
         break
+    if attempt is not None:
+        if isinstance(first, str):  # a stream: the attempt lasts as long
+            release = _then(release, attempt.end)
+        else:
+            _end_attempt(attempt, first if isinstance(first, TandemError) else None)
+    env.stats["ttft_s"] = now() - t0
     if isinstance(first, str):
-        metrics.ttft.labels(model).observe(now() - t0)
+        metrics.ttft.labels(model).observe(env.stats["ttft_s"])
         return Answer(slot.replica.id, first=first, items=items, release=release)
     await items.aclose()
     release()
@@ -170,7 +222,28 @@ async def serve(service: Service, env: Envelope, pin: Replica | None = None,
         raise first
     if isinstance(first, dict):  # what the client receives, counted to the model, its key and tenant
         metrics.observe_usage(model, first.get("usage"), env.key_name)
+        _note_usage(env.stats, first.get("usage"))
     return Answer(slot.replica.id, json=first)
+
+
+def _then(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        then()
+
+    return both
+
+
+def _end_attempt(attempt, error: TandemError | None) -> None:
+    """End an attempt's span (None: not traced), marked with the error that ended it."""
+    if attempt is None:
+        return
+    if error is not None:
+        from opentelemetry.trace import Status, StatusCode
+
+        attempt.set_attribute("error.type", error.kind.value)
+        attempt.set_status(Status(StatusCode.ERROR, error.message))
+    attempt.end()
 
 
 def _check_route(pool: ModelPool, route: str) -> None:
@@ -284,7 +357,7 @@ def _deadline(request: Request) -> float | None:
     return ms / 1000.0
 
 
-def _chunk_observer(metrics, model: str, key_name: str | None):
+def _chunk_observer(metrics, model: str, key_name: str | None, stats: dict):
     last = now()
 
     def observe(chunk: str) -> None:
@@ -292,6 +365,14 @@ def _chunk_observer(metrics, model: str, key_name: str | None):
         t = now()
         metrics.chunk_gap.labels(model).observe(t - last)
         last = t
-        metrics.observe_sse(model, chunk, key_name)
+        usage = metrics.observe_sse(model, chunk, key_name)
+        if usage is not None:
+            _note_usage(stats, usage)
 
     return observe
+
+
+def _note_usage(stats: dict, usage: object) -> None:
+    if isinstance(usage, dict):
+        stats["prompt_tokens"] = usage.get("prompt_tokens", usage.get("input_tokens"))
+        stats["completion_tokens"] = usage.get("completion_tokens", usage.get("output_tokens"))

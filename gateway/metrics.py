@@ -23,7 +23,9 @@ import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from gateway.admission import DEFAULT_TENANT
 from gateway.batch_store import STATUSES
@@ -289,10 +291,12 @@ class Metrics:
                 row[where[1]] += int(sample.value)
         return out
 
-    def observe_sse(self, model: str, chunk: str, key: str | None = None) -> None:
-        """Usage is reported in the stream's last data events, when the client asked for it."""
+    def observe_sse(self, model: str, chunk: str, key: str | None = None) -> dict | None:
+        """Usage is reported in the stream's last data events, when the client asked for it.
+        Returns the usage counted (None: none in this chunk)."""
         if '"usage"' not in chunk:
-            return
+            return None
+        found = None
         for line in chunk.split("\n"):
             if line.startswith("data: {") and '"usage"' in line:
                 try:
@@ -302,6 +306,8 @@ class Metrics:
                 # Responses' stream: the usage is the completed response's
                 usage = event.get("usage") or (event.get("response") or {}).get("usage")
                 self.observe_usage(model, usage, key)
+                found = usage or found
+        return found
 
     def set_replicas(self, rows: list[tuple[str, str, str, dict | None]], states: list[str]) -> None:
         """rows: (model, replica id, state, engine stats or None)."""
@@ -345,6 +351,25 @@ class _EngineCollector:
                 if key in families and isinstance(value, (int, float)):
                     families[key].add_metric([model, replica], float(value))
         yield from families.values()
+        yield from engine_families(self.rows)
+
+
+def engine_families(rows) -> list[Metric]:
+    """Each replica's own engine families (vLLM's ``vllm:*``, as `vllm serve` exports them: the
+    replica sends their text with its stats) under their own names and labels, plus ``replica``:
+    one family per name over every replica, so vLLM's dashboards and rules read them unchanged."""
+    merged: dict[str, Metric] = {}
+    for _model, replica, _, stats in rows:
+        text = (stats or {}).get("exposition")
+        if not text:
+            continue
+        for family in text_string_to_metric_families(text):
+            out = merged.get(family.name)
+            if out is None:
+                out = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                out.samples.append(Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar))
+    return list(merged.values())
 
 
 def now() -> float:

@@ -71,14 +71,16 @@ def _die_with_parent() -> None:
 
 
 def child_main(config: TandemConfig, make_deployment: Callable[..., Any], sock: socket.socket, index: int,
-               log_level: str, access_log: bool, shared_limits_path: str | None, shared_admission_path: str | None,
-               replacement: bool = False) -> None:
+               log_level: str, access_log: bool, log_format: str, shared_limits_path: str | None,
+               shared_admission_path: str | None, replacement: bool = False) -> None:
     """One gateway process: attach to the owner's replicas, serve on the inherited socket. A
     ``replacement`` (of a process that died) accepts connections only once its replicas are
     ready: the live processes take them meanwhile."""
     _die_with_parent()
-    logging.basicConfig(level=getattr(logging, log_level.upper()),
-                        format=f"%(asctime)s %(levelname)s [gw{index} %(process)d] %(name)s: %(message)s")
+    from gateway.logs import setup_logging
+
+    setup_logging(log_level, log_format, access_log=access_log, prefix={"gateway_process": index},
+                  text_format=f"%(asctime)s %(levelname)s [gw{index} %(process)d] %(name)s: %(message)s")
     from gateway.app import build_app
     from gateway.server import run_server
     from gateway.service import Service
@@ -93,18 +95,19 @@ def child_main(config: TandemConfig, make_deployment: Callable[..., Any], sock: 
         from gateway.shared_limits import share
 
         share(app.state.limiter, shared_limits_path)
-    run_server(app, service, log_level=log_level, access_log=access_log, sockets=[sock])
+    run_server(app, service, log_level=log_level, sockets=[sock])
 
 
 class ProcessGroup:
     """The parent's side: N gateway processes, restarted when one dies, stopped with a drain."""
 
     def __init__(self, config: TandemConfig, make_deployment: Callable[..., Any], sock: socket.socket,
-                 log_level: str, access_log: bool, shared_limits_path: str | None, shared_admission_path: str | None):
+                 log_level: str, access_log: bool, log_format: str, shared_limits_path: str | None,
+                 shared_admission_path: str | None):
         self.config = config
         self.n = config.gateway.processes
         self._args = (config, make_deployment, sock)
-        self._rest = (log_level, access_log, shared_limits_path, shared_admission_path)
+        self._rest = (log_level, access_log, log_format, shared_limits_path, shared_admission_path)
         self._ctx = multiprocessing.get_context("spawn")
         self.procs: list[Any] = [None] * self.n
         self._started_at = [0.0] * self.n
@@ -156,19 +159,20 @@ class ProcessGroup:
 
 
 def serve_processes(config: TandemConfig, make_deployment: Callable[..., Any], owner: bool = True,
-                    log_level: str = "info", access_log: bool = False) -> int:
+                    log_level: str = "info", access_log: bool = False, log_format: str = "text") -> int:
     """Run ``config.gateway.processes`` gateway processes (see the module's docstring). ``owner``:
     this parent creates and supervises the replicas; else (``--attach``) they are another
     ``tandem serve``'s, and the parent only runs the gateway processes. ``make_deployment(config,
     role=...)`` builds a ``RayDeployment`` (picklable: the gateway processes call it too)."""
     workdir = tempfile.mkdtemp(prefix="tandem-gateway-")
     try:
-        return asyncio.run(_parent(config, make_deployment, owner, log_level, access_log, workdir))
+        return asyncio.run(_parent(config, make_deployment, owner, log_level, access_log, log_format, workdir))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 async def _parent(config: TandemConfig, make_deployment, owner: bool, log_level: str, access_log: bool,
+                  log_format: str,
                   workdir: str) -> int:
     from gateway.metrics import use_multiprocess_dir
     from gateway.service import Service
@@ -196,9 +200,17 @@ async def _parent(config: TandemConfig, make_deployment, owner: bool, log_level:
         await service.start()
         address = deployment.gcs_address()
         config = config.model_copy(update={"ray": config.ray.model_copy(update={"address": address})})
+    metrics_server = None
+    if service is None and config.metrics.port is not None:  # attached: this host's processes' metrics
+        from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+
+        registry = CollectorRegistry(auto_describe=True)
+        multiprocess.MultiProcessCollector(registry, path=metrics_dir)
+        metrics_server, _ = start_http_server(config.metrics.port, config.metrics.host, registry=registry)
     limits_path = create_shared_limits(config, workdir)
     admission_path = create_shared_admission(config, workdir)
-    group = ProcessGroup(config, make_deployment, sock, log_level, access_log, limits_path, admission_path)
+    group = ProcessGroup(config, make_deployment, sock, log_level, access_log, log_format, limits_path,
+                         admission_path)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -211,6 +223,8 @@ async def _parent(config: TandemConfig, make_deployment, owner: bool, log_level:
         await group.stop()
     finally:
         sock.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
         if service is not None:
             await service.stop()
     if service is not None and service.fatal:

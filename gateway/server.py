@@ -11,7 +11,7 @@ import uvicorn
 from gateway.service import Service
 
 
-def run_server(app, service: Service, log_level: str = "info", access_log: bool = False,
+def run_server(app, service: Service, log_level: str = "info",
                sockets: list[socket.socket] | None = None) -> None:
     """uvicorn, with a graceful SIGTERM: /ready turns 503, new requests are refused (503), the
     requests in flight finish (up to gateway.drain_timeout_s), then the process exits 0.
@@ -33,8 +33,10 @@ def run_server(app, service: Service, log_level: str = "info", access_log: bool 
             self.should_exit = True
 
     gw = service.config.gateway
-    config = uvicorn.Config(app, host=gw.host, port=gw.port, log_level=log_level.lower(), access_log=access_log,
-                            timeout_graceful_shutdown=5)
+    # uvicorn's own logging config off: its loggers go through the root's handler (text or JSON,
+    # ``gateway.logs``); its access log off: the gateway writes one line per request itself.
+    config = uvicorn.Config(app, host=gw.host, port=gw.port, log_level=log_level.lower(), access_log=False,
+                            log_config=None, timeout_graceful_shutdown=5)
     server = DrainingServer(config)
     service.stop_serving = lambda: setattr(server, "should_exit", True)  # service.fatal: the caller exits 2
     server.run(sockets=sockets)

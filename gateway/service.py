@@ -15,6 +15,7 @@ from gateway.auth import resolve_keys
 from gateway.metrics import Metrics
 from gateway.router import ModelPool, Router
 from gateway.supervisor import Deployment, Supervisor
+from gateway.tracing import make_tracing
 from tandem_core.config import TandemConfig
 from tandem_core.protocol import Role
 
@@ -26,13 +27,17 @@ READY_WAIT_S = 120.0  # see ``Service.ready_before_serving``
 class Service:
     """The deployment's ``role`` says who owns the replicas (``tandem_core.protocol.Role``);
     attached (``gateway/processes.py``), this process serves requests on them but never restarts
-    or shuts one down, and runs no metrics port.
+    or shuts one down.
     ``ready_before_serving``: ``start`` returns only once every model can serve (up to
     ``READY_WAIT_S``), so that a gateway process started in place of a dead one, sharing the
     listening socket with live ones, takes no connection it could only answer with 503."""
 
-    def __init__(self, config: TandemConfig, deployment: Deployment, ready_before_serving: bool = False):
+    def __init__(self, config: TandemConfig, deployment: Deployment, ready_before_serving: bool = False,
+                 metrics_port: bool | None = None):
         self.config = config
+        # Serves ``metrics.port`` (if set): the one process of a host that does (default: the
+        # replicas' owner; a lone `tandem serve --attach` too, for its own gateway's metrics)
+        self.serves_metrics_port = metrics_port if metrics_port is not None else deployment.role is not Role.ATTACHED
         self.deployment = deployment
         self.ready_before_serving = ready_before_serving
         self.adapters = Adapters(config)  # LoRA adapters on the autoregressive bases
@@ -59,6 +64,7 @@ class Service:
                                "then arrival) and the shares do not hold there", ", ".join(unbounded))
         self.metrics = Metrics([m.name for m in config.models] + list(self.adapters.base), tenants,
                                batch_priority=config.batches.priority)
+        self.tracing = make_tracing(config.observability)  # None: off (no span is ever built)
         self.supervisor = Supervisor(config, deployment, self.router, self.metrics)
         self.supervisor.on_fatal = self._fatal
         self.supervisor.on_engine_started = self.adapters.on_started
@@ -75,7 +81,7 @@ class Service:
         self.started_at = time.monotonic()
         self.loop = asyncio.get_running_loop()
         self.supervisor.start()
-        if self.config.metrics.port is not None and not self.attached:
+        if self.config.metrics.port is not None and self.serves_metrics_port:
             from prometheus_client import start_http_server
 
             self._metrics_server, _ = start_http_server(self.config.metrics.port, self.config.metrics.host,
@@ -115,3 +121,5 @@ class Service:
         await self.supervisor.stop()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # the spans left, exported

@@ -61,7 +61,8 @@ async def replica_stats(router: Router, placement_of=None) -> list[dict]:
         if r.state.live:
             try:
                 s = await asyncio.wait_for(r.handle.stats(), timeout=5)
-                row["engine"] = {"running": s.running, "waiting": s.waiting, **s.extra}
+                row["engine"] = {"running": s.running, "waiting": s.waiting,
+                                 **{k: v for k, v in s.extra.items() if k != "exposition"}}  # (that: /metrics)
                 row.update(await asyncio.wait_for(r.handle.describe(), timeout=5))
             except Exception as e:  # noqa: BLE001 - reported, not raised
                 row["engine_error"] = f"{type(e).__name__}: {e}"

@@ -217,6 +217,17 @@ class BatchesConfig(_Strict):
         return self.data_dir if self.data_dir is not None else default_data_dir()
 
 
+class ObservabilityConfig(_Strict):
+    otlp_traces_endpoint: str | None = Field(
+        None, description="Where spans go, OTLP over HTTP/protobuf (http://HOST:4318/v1/traces) or gRPC "
+        "(grpc://HOST:4317), as `vllm serve --otlp-traces-endpoint`. None: the OTEL_EXPORTER_OTLP_TRACES_ENDPOINT "
+        "(or OTEL_EXPORTER_OTLP_ENDPOINT) environment variable, else tracing is off (and costs nothing).")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="The share of new traces sampled; a request that "
+                                "arrives with a sampled `traceparent` is always traced (parent-based).")
+    capture_content: bool = Field(False, description="Record prompts and outputs in the spans (off: they may "
+                                  "hold personal data).")
+
+
 class MetricsConfig(_Strict):
     port: int | None = Field(
         None, ge=1, le=65535,
@@ -241,6 +252,8 @@ class TandemConfig(_Strict):
                              "by default: without keys every request is served).")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Input limits and the request timeout.")
     cors: CorsConfig = Field(default_factory=CorsConfig, description="CORS for browser clients (off by default).")
+    observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig, description="Tracing "
+                                               "(OpenTelemetry), off by default.")
     batches: BatchesConfig = Field(default_factory=BatchesConfig, description="OpenAI's Files and Batch API: "
                                    "durable jobs served at the lowest priority on the running models.")
     config_dir: Path = Field(Path("."), description="Where relative paths in the config (key files) are resolved; "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from gateway.app import build_app
 from gateway.config import ConfigError, load_config, parse_config
+from gateway.logs import setup_logging
 from gateway.server import run_server
 from gateway.service import Service
 from tandem_core.config import DEFAULT_CONFIG
@@ -22,9 +23,6 @@ from workers.deployment import RayDeployment
 logger = logging.getLogger("tandem")
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -40,6 +38,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     gw = config.gateway.model_copy(update=overrides)
     config = config.model_copy(update={"gateway": gw})
+    if args.otlp_traces_endpoint:
+        config = config.model_copy(update={"observability": config.observability.model_copy(
+            update={"otlp_traces_endpoint": args.otlp_traces_endpoint})})
     if args.attach and not config.ray.address:
         print("tandem: --attach joins the replicas another `tandem serve` runs on a Ray cluster: set ray.address "
               "in the config (e.g. `auto` on a node of that cluster)", file=sys.stderr)
@@ -55,7 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from gateway.processes import serve_processes
 
         return serve_processes(config, ray_deployment, owner=not args.attach, log_level=args.log_level,
-                               access_log=args.access_log)
+                               access_log=args.access_log, log_format=args.log_format)
     # One process. The port first, before Ray starts its own processes (any of which may take a free
     # port): a port in use fails here, in one line. On a cluster (ray.address) the replicas are
     # named actors, so that `tandem serve --attach` on other nodes can serve them too; locally they
@@ -68,10 +69,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"tandem: cannot listen on {gw.host}:{gw.port}: {e.strerror or e}", file=sys.stderr)
         return 2
     role = Role.ATTACHED if args.attach else Role.OWNER if config.ray.address else Role.SOLO
-    service = Service(config, ray_deployment(config, role=role))
+    service = Service(config, ray_deployment(config, role=role), metrics_port=True)  # (attached: its own)
     logger.info("tandem listening on http://%s:%d/v1 (models load in the background; GET /ready)",
                 gw.host, gw.port)
-    run_server(build_app(service), service, log_level=args.log_level, access_log=args.access_log, sockets=[sock])
+    run_server(build_app(service), service, log_level=args.log_level, sockets=[sock])
     if service.fatal:
         print(f"tandem: {service.fatal}", file=sys.stderr)
         return 2
@@ -159,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="log verbosity (default: info)")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="log lines as text (default) or as JSON objects, one per line (ts, level, logger, "
+                             "message, and the access fields)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="serve a model, or the models of a config, over the OpenAI API",
@@ -181,7 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "replicas (overrides gateway.processes; default 1)")
     g.add_argument("--attach", action="store_true", help="serve the replicas that the `tandem serve` of "
                    "another node created and supervises, on the cluster of ray.address (one per node)")
-    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--otlp-traces-endpoint", metavar="URL", help="export a trace per request (OpenTelemetry, "
+                   "OTLP over HTTP, or gRPC for grpc://HOST:PORT), as `vllm serve`'s flag (overrides "
+                   "observability.otlp_traces_endpoint)")
+    g.add_argument("--access-log", action="store_true", help="log one line per request: its id (X-Request-Id), "
+                   "method, path, status, model, tenant, key, queue time, time to first byte, total time, tokens "
+                   "in and out")
     serve.set_defaults(func=cmd_serve)
 
     build = sub.add_parser("build-tiny-models", help="build the built-in tiny models (random weights)",
@@ -227,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             args.command == "bench" and args.mode in ("tenants", "batch")):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra  # `tandem serve MODEL`: vLLM's other serve flags (serve_model.vllm_flags checks them)
-    _setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format, access_log=getattr(args, "access_log", False))
     return args.func(args)
 
 

@@ -14,8 +14,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -126,37 +124,34 @@ def _server(args: argparse.Namespace):
         yield args.url.rstrip("/")
         return
     import socket
+    import tempfile
+
+    from tandem_tools.servers import Server
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     what = ["--config", args.config] if args.config else [args.model, *args.extra]
-    cmd = [sys.executable, "-m", "tandem_tools.cli", "--log-level", "warning", "serve", *what,
-           "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, process_group=0)  # its own group: one signal reaches Ray and vLLM too
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + args.ready_timeout
-        while not _ready(url):
-            if proc.poll() is not None:
-                raise SystemExit(f"tandem run-batch: `tandem serve` exited with {proc.returncode}")
-            if time.monotonic() > deadline:
-                raise SystemExit(f"tandem run-batch: `tandem serve` not ready in {args.ready_timeout:.0f} s")
-            time.sleep(1)
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+    argv = [sys.executable, "-m", "tandem_tools.cli", "--log-level", "warning", "serve", *what,
+            "--host", "127.0.0.1", "--port", str(port)]
+    log = Path(tempfile.mkdtemp(prefix="tandem-run-batch-")) / "serve.log"
+    with Server("tandem serve", argv, port, "/ready", log, dict(os.environ)) as server:
+        try:
+            server.wait_ready(args.ready_timeout)
+        except RuntimeError as e:
+            raise SystemExit(f"tandem run-batch: {e}") from None
+        _wait_all_ready(f"http://127.0.0.1:{port}", args.ready_timeout)
+        yield f"http://127.0.0.1:{port}"
 
 
-def _ready(url: str) -> bool:
-    try:
-        r = httpx.get(url + "/ready", timeout=2)
-        return r.status_code == 200 and r.json().get("all_ready", False)
-    except (httpx.HTTPError, ValueError):
-        return False
+def _wait_all_ready(url: str, timeout: float) -> None:
+    """/ready is 200 once one model serves: wait for every one (a config of several)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/ready", timeout=2).json().get("all_ready"):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(1)
+    raise SystemExit(f"tandem run-batch: not every model ready in {timeout:.0f} s")

@@ -315,7 +315,8 @@ class VllmEngine:
         if self._llm is None:
             return EngineStats(running=0)
         running = self._llm.output_processor.get_num_unfinished_requests()
-        extra = {**self._totals.values, "aborted": self._aborted, "kv_cache_tokens": self._kv_cache_tokens}
+        extra = {**self._totals.values, "aborted": self._aborted, "kv_cache_tokens": self._kv_cache_tokens,
+                 "exposition": vllm_exposition()}
         return EngineStats(running=running, waiting=extra.pop("waiting"), extra=extra,
                            progress=extra["prompt_tokens"] + extra["generation_tokens"])
 
@@ -323,6 +324,21 @@ class VllmEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+def vllm_exposition() -> str:
+    """vLLM's own metrics (its ``vllm:*`` families, as `vllm serve`'s /metrics has them), in the
+    Prometheus text format: its stat logger registers them in this process's default registry.
+    The gateway re-exports them with a ``replica`` label (``gateway.metrics``)."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    keep, out = False, []
+    for line in generate_latest(REGISTRY).decode().splitlines():
+        if line.startswith("# HELP "):
+            keep = line[7:].startswith("vllm:")
+        if keep:
+            out.append(line)
+    return "\n".join(out) + "\n" if out else ""
 
 
 def create_engine(cfg, source_path: str) -> VllmEngine:

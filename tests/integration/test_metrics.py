@@ -135,7 +135,9 @@ def _one_batch(stack) -> None:
 
 def test_every_dashboard_expression_returns_data(stack, prometheus):
     dashboard = json.loads(DASHBOARD.read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    # (the dashboard's $model variable at its "All" value, as Grafana substitutes it)
+    exprs = [t["expr"].replace("$model", ".+") for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert any(v["name"] == "model" for v in dashboard["templating"]["list"])
     assert len(exprs) >= 20
     # A bounded load while Prometheus scrapes every second; a cancelled diffusion request and an
     # image request too.
@@ -177,3 +179,51 @@ def test_every_dashboard_expression_returns_data(stack, prometheus):
     assert {s["metric"]["model"] for s in r["data"]["result"]} == {"tiny-llama", "tiny-diffusiongemma", "other"}
     assert re.match(r"tiny-llama/\d+", httpx.get(prometheus + "/api/v1/query", params={
         "query": "tandem_engine_kv_cache_usage_ratio"}).json()["data"]["result"][0]["metric"]["replica"])
+
+
+# The metric names vLLM's own Grafana dashboard queries
+# (examples/online_serving/prometheus_grafana/grafana.json in vLLM's repository).
+MODELS = ("tiny-llama", "tiny-diffusiongemma")
+VLLM_DASHBOARD = ("vllm:e2e_request_latency_seconds_bucket", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                  "vllm:time_per_output_token_seconds_bucket", "vllm:num_requests_running",
+                  "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds_bucket", "vllm:gpu_cache_usage_perc",
+                  "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+                  "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+                  "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+                  "vllm:request_max_num_generation_tokens_sum")
+# Of those, the ones vLLM 0.32 no longer exports (renamed: vllm:kv_cache_usage_perc,
+# vllm:inter_token_latency_seconds): `vllm serve` lacks them too.
+VLLM_032_DROPPED = {"vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds_bucket"}
+DIFFUSION_FAMILIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
+                      "vllm:generation_tokens_total")
+
+
+def test_vllm_families_under_vllm_names_with_a_replica_label(stack):
+    """One scrape of the gateway has every replica's vLLM families, as `vllm serve` names them
+    (plus `replica`); the diffusion replica exports those that mean the same there; the token
+    counters agree with the usage the responses reported."""
+    def tokens(text: str) -> dict:
+        return {m: (_value(text, "vllm:prompt_tokens_total", model_name=m),
+                    _value(text, "vllm:generation_tokens_total", model_name=m)) for m in MODELS}
+
+    wait_for(lambda: "vllm:prompt_tokens_total" in _metrics(stack), "vLLM's families in the gateway's /metrics")
+    before = tokens(_metrics(stack))
+    usage = _load(stack)
+
+    def counted() -> bool:
+        now = tokens(_metrics(stack))
+        return all(now[m][0] - before[m][0] == usage[m][0] for m in MODELS) and \
+            now["tiny-llama"][1] - before["tiny-llama"][1] == usage["tiny-llama"][1] and \
+            now["tiny-diffusiongemma"][1] - before["tiny-diffusiongemma"][1] >= usage["tiny-diffusiongemma"][1]
+
+    wait_for(counted, f"vLLM's token counters to grow by the responses' usage {usage}", timeout=60)
+    text = _metrics(stack)
+    for name in VLLM_DASHBOARD:
+        if name in VLLM_032_DROPPED:
+            assert name not in text, name
+            continue
+        lines = [ln for ln in text.splitlines() if ln.startswith(name + "{")]
+        assert any('model_name="tiny-llama"' in ln and 'replica="tiny-llama/0"' in ln for ln in lines), name
+    for name in DIFFUSION_FAMILIES:
+        assert f'{name}{{engine="0",model_name="tiny-diffusiongemma",replica=' in text, name
+    assert "vllm:kv_cache_usage_perc{" in text  # (the dashboard's cache panel, under its 0.32 name)

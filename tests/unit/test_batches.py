@@ -251,3 +251,13 @@ def test_uploads_have_their_own_body_limit_and_expired_files_go(tmp_path):
                  "the expired file to be deleted", timeout=10)
         with pytest.raises(openai.NotFoundError):
             client.files.retrieve(gone["id"])
+
+
+def test_a_key_not_more_urgent_than_batch_lines_fails_at_start_in_one_line():
+    from gateway.config import parse_config
+
+    with pytest.raises(Exception) as e:
+        parse_config({"auth": {"api_keys": [{"key": "sk-late-0123456789abcdef", "name": "late", "priority": 1000}]},
+                      "models": [{"name": "fake", "kind": "autoregressive", "source": "none"}]})
+    message = str(e.value)
+    assert "auth.api_keys.0.priority" in message and "batches.priority" in message and "\n" not in message.strip()

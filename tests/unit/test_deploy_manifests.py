@@ -304,7 +304,7 @@ def test_head_probes_readiness_on_ready_and_liveness_on_health():
     assert head["readinessProbe"]["httpGet"] == {"path": "/ready", "port": 8000}
     assert head["livenessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
     assert {"containerPort": 8000, "name": "openai"} in head["ports"]
-    (service,) = of_kind("Service")
+    service = next(s for s in of_kind("Service") if s["metadata"]["name"] == "tandem")
     assert service["spec"]["selector"] == {"ray.io/cluster": the_raycluster()["metadata"]["name"],
                                            "ray.io/node-type": "head"}
     assert service["spec"]["ports"][0]["targetPort"] == 8000
@@ -409,3 +409,27 @@ def test_extract_keeps_names_types_and_required_only():
                 "template": pod}},
             "workerGroupSpecs": {"type": "array", "items": {"type": "object", "properties": {
                 "maxReplicas": {"type": "integer"}, "template": pod}}}}}}}
+
+
+def test_prometheus_operator_objects_scrape_the_metrics_port_and_carry_the_alert_rules():
+    (config,) = of_kind("ConfigMap")
+    metrics = yaml.safe_load(config["data"]["config.yaml"])["metrics"]
+    services = {s["metadata"]["name"]: s for s in of_kind("Service")}
+    port = next(p for p in services["tandem-metrics"]["spec"]["ports"] if p["name"] == "metrics")
+    assert port["targetPort"] == metrics["port"] == 8080 and metrics["host"] == "0.0.0.0"
+    head = containers(the_raycluster())["head"]
+    assert {"containerPort": 8080, "name": "metrics"} in head["ports"]
+    (monitor,) = of_kind("ServiceMonitor")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= services["tandem-metrics"]["metadata"]["labels"].items()
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+    (rule,) = of_kind("PrometheusRule")
+    alerts = yaml.safe_load((REPO / "deploy" / "prometheus" / "tandem-alerts.yml").read_text())
+    assert rule["spec"]["groups"] == alerts["groups"]  # one set of rules, two ways to load it
+
+
+def test_the_collector_config_wires_its_pipeline():
+    cfg = yaml.safe_load((REPO / "deploy" / "otel" / "collector.yaml").read_text())
+    pipe = cfg["service"]["pipelines"]["traces"]
+    for part in ("receivers", "processors", "exporters"):
+        assert set(pipe[part]) <= set(cfg[part]), part
+    assert set(cfg["receivers"]["otlp"]["protocols"]) == {"grpc", "http"}

@@ -167,3 +167,21 @@ def test_serve_refuses_bad_process_options(capsys):
     assert "--processes must be at least 1" in capsys.readouterr().err
     assert main(["serve", "--attach"]) == 2  # the default config starts a local Ray: nothing to attach to
     assert "set ray.address" in capsys.readouterr().err
+
+
+def test_who_serves_the_metrics_port():
+    """The replicas' owner serves `metrics.port`; an attached gateway process of a group does not
+    (its parent serves the group's); a lone `tandem serve --attach` serves its own gateway's."""
+    from gateway.config import parse_config
+    from gateway.service import Service
+    from tandem_core.protocol import Role
+    from workers.fake_engine import FakeDeployment
+
+    class Attached(FakeDeployment):
+        role = Role.ATTACHED
+
+    config = parse_config({"metrics": {"port": 9}, "models": [{"name": "fake", "kind": "autoregressive",
+                                                                "source": "none"}]})
+    assert Service(config, FakeDeployment()).serves_metrics_port
+    assert not Service(config, Attached()).serves_metrics_port
+    assert Service(config, Attached(), metrics_port=True).serves_metrics_port
