@@ -35,7 +35,7 @@ from diffusion_plugin.request import SeqStatus
 from diffusion_plugin.scheduler import Scheduler
 from diffusion_plugin.structured import Structured, resolve, wanted, warm_structured
 from diffusion_plugin.token_text import TextOffsets, token_string
-from diffusion_plugin.vllm_names import vllm_exposition
+from diffusion_plugin.vllm_names import RequestHistograms, vllm_exposition
 from tandem_core.errors import ErrorKind, TandemError, invalid
 from tandem_core.protocol import EngineInfo, EngineStats, Item
 
@@ -97,7 +97,7 @@ class DiffusionEngine:
         self.intake = Intake(self.model, adapter, self.image_limits, scheduler, memory)
         # vLLM's parsers for tool_choice "auto" and reasoning: a name vLLM does not know fails here.
         self.parsers = Parsers(adapter.tokenizer, self.args.tool_call_parser, self.args.reasoning_parser)
-        self.loop = DiffusionLoop(scheduler, runner)
+        self.loop = DiffusionLoop(scheduler, runner, RequestHistograms(adapter.max_position))
         self.loop.start()
         extra = {"canvas_length": adapter.canvas_length, "max_batch": self.max_batch,
                  "boundaries": "row" if self.row_boundaries else "block"}
@@ -304,18 +304,21 @@ class DiffusionEngine:
         s, mem = self.loop.scheduler, self.memory
         st = s.stats
         ls = self.loop.stats
+        reserved = s.reserved_bytes + (mem.pages_bytes(s.pages_reserved) if mem else 0)
+        usage = reserved / mem.budget_bytes if mem and mem.budget_bytes else 0.0
         return EngineStats(running=len(s.running), waiting=len(s.waiting), extra={
             **asdict(st), **asdict(ls), "active_batch": len(s.running),
             "canvas_occupancy": len(s.running) / s.max_batch, "sampler": self.sampler,
             "memory_budget_bytes": self.memory.budget_bytes if self.memory else None,
-            "memory_reserved_bytes": s.reserved_bytes + (mem.pages_bytes(s.pages_reserved) if mem else 0),
+            "memory_reserved_bytes": reserved,
             "kv_pool_bytes": mem.pool_bytes if mem else 0,  # a device's page pool (planned): part of the budget
             "kv_pages_reserved": list(s.pages_reserved),  # per layer group (full first), one layer's pages
             "kv_pages_capacity": [g.pages for g in mem.groups] if mem else [],
             **self.intake.image_stats, **self._prefix_stats(),
             "kv_cache_tokens": self._kv_cache_tokens,  # as a vLLM replica's stats say it
             "exposition": vllm_exposition(self.model, len(s.running), len(s.waiting), st.prompt_tokens,
-                                          st.tokens_committed, self._prefix_stats())},
+                                          st.tokens_committed, self._prefix_stats(), usage)
+            + self.loop.requests.exposition(self.model)},
             progress=st.row_steps + st.encode_passes)
 
     async def reset_prefix_cache(self) -> bool:

@@ -46,8 +46,10 @@ class LoopStats:
 
 
 class DiffusionLoop:
-    def __init__(self, scheduler: Scheduler, runner):
+    def __init__(self, scheduler: Scheduler, runner, requests=None):
+        """``requests``: a ``vllm_names.RequestHistograms`` told of each sequence that ends."""
         self.scheduler = scheduler
+        self.requests = requests
         self.runner = runner
         self.seqs: dict[str, Sequence] = {}
         self.queues: dict[str, asyncio.Queue] = {}
@@ -106,6 +108,8 @@ class DiffusionLoop:
         if queue is not None:
             queue.put_nowait(event)
         if event.kind is EventKind.FINISHED:
+            if self.requests is not None:
+                self.requests.finished(event.seq, time.monotonic())
             self.queues.pop(event.seq.seq_id, None)
             self.seqs.pop(event.seq.seq_id, None)
 
@@ -154,6 +158,8 @@ class DiffusionLoop:
                 for c in committed:
                     self.stats.block_seconds += done_at - c.seq.block_started
                     c.seq.block_started = done_at
+                    if c.new_ids and c.seq.first_token_at is None:
+                        c.seq.first_token_at = done_at
                     self._emit(SeqEvent(EventKind.BLOCK, c.seq, c.new_ids, logprobs=c.logprobs))
                 for f in finished:
                     self._emit(SeqEvent(EventKind.FINISHED, f.seq))

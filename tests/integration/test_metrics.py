@@ -68,9 +68,10 @@ def prometheus(stack, tmp_path_factory):
 
 
 def _load(stack) -> dict:
-    """A bounded load through both models; returns the usage the responses reported."""
+    """A bounded load through both models; returns the usage the responses reported (and the
+    number of requests), per model."""
     c = stack.client()
-    usage = {"tiny-llama": [0, 0], "tiny-diffusiongemma": [0, 0]}
+    usage = {"tiny-llama": [0, 0, 0], "tiny-diffusiongemma": [0, 0, 0]}  # prompt, completion, requests
     for model, n in (("tiny-llama", 6), ("tiny-diffusiongemma", 3)):
         for i in range(n):
             msgs = [{"role": "user", "content": f"hello {i}"}]
@@ -82,6 +83,7 @@ def _load(stack) -> dict:
                 u = c.chat.completions.create(model=model, messages=msgs, max_tokens=12).usage
             usage[model][0] += u.prompt_tokens
             usage[model][1] += u.completion_tokens
+            usage[model][2] += 1
     return usage
 
 
@@ -194,8 +196,7 @@ VLLM_DASHBOARD = ("vllm:e2e_request_latency_seconds_bucket", "vllm:prompt_tokens
 # Of those, the ones vLLM 0.32 no longer exports (renamed: vllm:kv_cache_usage_perc,
 # vllm:inter_token_latency_seconds): `vllm serve` lacks them too.
 VLLM_032_DROPPED = {"vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds_bucket"}
-DIFFUSION_FAMILIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
-                      "vllm:generation_tokens_total")
+
 
 
 def test_vllm_families_under_vllm_names_with_a_replica_label(stack):
@@ -206,8 +207,12 @@ def test_vllm_families_under_vllm_names_with_a_replica_label(stack):
         return {m: (_value(text, "vllm:prompt_tokens_total", model_name=m),
                     _value(text, "vllm:generation_tokens_total", model_name=m)) for m in MODELS}
 
+    def served(text: str) -> dict:
+        return {m: _value(text, "vllm:e2e_request_latency_seconds_count", model_name=m) for m in MODELS}
+
     wait_for(lambda: "vllm:prompt_tokens_total" in _metrics(stack), "vLLM's families in the gateway's /metrics")
-    before = tokens(_metrics(stack))
+    first = _metrics(stack)
+    before, served_before = tokens(first), served(first)
     usage = _load(stack)
 
     def counted() -> bool:
@@ -223,7 +228,15 @@ def test_vllm_families_under_vllm_names_with_a_replica_label(stack):
             assert name not in text, name
             continue
         lines = [ln for ln in text.splitlines() if ln.startswith(name + "{")]
-        assert any('model_name="tiny-llama"' in ln and 'replica="tiny-llama/0"' in ln for ln in lines), name
-    for name in DIFFUSION_FAMILIES:
-        assert f'{name}{{engine="0",model_name="tiny-diffusiongemma",replica=' in text, name
-    assert "vllm:kv_cache_usage_perc{" in text  # (the dashboard's cache panel, under its 0.32 name)
+        for m in MODELS:  # (a diffusion replica's: vllm_names.py)
+            assert any(f'model_name="{m}"' in ln and f'replica="{m}/0"' in ln for ln in lines), (name, m)
+    for m in MODELS:  # the dashboard's cache panel, under its 0.32 name
+        assert f'vllm:kv_cache_usage_perc{{engine="0",model_name="{m}",replica="{m}/0"}}' in text, m
+    # one latency observation per request served (each made one choice), and one success
+    wait_for(lambda: all(served(_metrics(stack))[m] - served_before[m] == usage[m][2] for m in MODELS),
+             f"one e2e latency observation per request {usage}", timeout=30)
+    for m in MODELS:
+        text = _metrics(stack)
+        assert _value(text, "vllm:request_success_total", model_name=m, finished_reason="stop") + \
+            _value(text, "vllm:request_success_total", model_name=m, finished_reason="length") == \
+            _value(text, "vllm:e2e_request_latency_seconds_count", model_name=m), m

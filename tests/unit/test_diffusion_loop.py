@@ -87,3 +87,42 @@ def test_one_queue_carries_every_sequence_of_a_request():
     assert [k for s, k in events if s == "r-0"] == [EventKind.BLOCK, EventKind.FINISHED]
     assert [k for s, k in events if s == "r-1"] == [EventKind.BLOCK, EventKind.BLOCK, EventKind.FINISHED]
     assert not loop.queues and not loop.seqs  # a finished sequence leaves no queue behind
+
+
+def test_vllm_request_families_count_each_ended_sequence_once():
+    """vLLM's per-request histograms on a diffusion replica: one observation per sequence that
+    ended with stop/length (its TTFT is the first committed block), request_success by reason,
+    vLLM's bucket bounds; an aborted sequence counts only as ``abort``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from diffusion_plugin.vllm_names import RequestHistograms
+
+    async def main():
+        hist = RequestHistograms(max_model_len=1024)
+        loop = DiffusionLoop(Scheduler(max_batch=4, canvas_length=4), FakeRunner(), hist)
+        waiting = loop.submit(_seq("w", max_tokens=400))
+        loop.abort("w")
+        loop.start()
+        await _drain(waiting)
+        events = await _drain(loop.submit(_seq("r-0", max_tokens=4)))
+        events += await _drain(loop.submit(_seq("r-1", max_tokens=8)))
+        await loop.stop()
+        return hist, events
+
+    hist, events = asyncio.run(main())
+    seqs = {e.seq.seq_id: e.seq for e in events}
+    assert all(s.arrival <= s.admitted_at <= s.first_token_at for s in seqs.values())
+    samples = {(s.name, s.labels.get("le"), s.labels.get("finished_reason")): s.value
+               for f in text_string_to_metric_families(hist.exposition("m")) for s in f.samples
+               if s.labels["model_name"] == "m" and s.labels["engine"] == "0"}
+    assert samples[("vllm:request_success_total", None, "length")] == 2
+    assert samples[("vllm:request_success_total", None, "abort")] == 1
+    assert samples[("vllm:request_success_total", None, "stop")] == 0
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens"):
+        assert samples[(f"vllm:{name}_count", None, None)] == 2, name
+        assert samples[(f"vllm:{name}_bucket", "+Inf", None)] == 2, name
+    assert samples[("vllm:request_generation_tokens_sum", None, None)] == 4 + 8
+    assert samples[("vllm:request_generation_tokens_bucket", "5.0", None)] == 1  # vLLM's 1-2-5 bounds
+    assert samples[("vllm:request_generation_tokens_bucket", "10.0", None)] == 2
+    assert samples[("vllm:time_to_first_token_seconds_bucket", "2560.0", None)] == 2
