@@ -33,9 +33,11 @@ from diffusion_plugin.memory import plan as memory_plan
 from diffusion_plugin.parsing import Parsers
 from diffusion_plugin.request import SeqStatus
 from diffusion_plugin.scheduler import Scheduler
+from diffusion_plugin.spans import SeqSpans
 from diffusion_plugin.structured import Structured, resolve, wanted, warm_structured
 from diffusion_plugin.token_text import TextOffsets, token_string
 from diffusion_plugin.vllm_names import RequestHistograms, vllm_exposition
+from tandem_core import tracing
 from tandem_core.errors import ErrorKind, TandemError, invalid
 from tandem_core.protocol import EngineInfo, EngineStats, Item
 
@@ -97,7 +99,7 @@ class DiffusionEngine:
         self.intake = Intake(self.model, adapter, self.image_limits, scheduler, memory)
         # vLLM's parsers for tool_choice "auto" and reasoning: a name vLLM does not know fails here.
         self.parsers = Parsers(adapter.tokenizer, self.args.tool_call_parser, self.args.reasoning_parser)
-        self.loop = DiffusionLoop(scheduler, runner, RequestHistograms(adapter.max_position))
+        self.loop = DiffusionLoop(scheduler, runner, RequestHistograms(adapter.max_position), _spans(runner))
         self.loop.start()
         extra = {"canvas_length": adapter.canvas_length, "max_batch": self.max_batch,
                  "boundaries": "row" if self.row_boundaries else "block"}
@@ -333,6 +335,17 @@ class DiffusionEngine:
     async def shutdown(self) -> None:
         if self.loop is not None:
             await self.loop.stop()
+
+
+def _spans(runner) -> SeqSpans | None:
+    tracer = tracing.tracer()
+    if tracer is None:
+        return None
+
+    def grammar_seconds(seq_id: str) -> float:
+        return getattr(getattr(runner.rows.get(seq_id), "grammar", None), "seconds", 0.0)
+
+    return SeqSpans(tracer, grammar_seconds)
 
 
 def prompt_event(tok, index: int, ids: list[int], seq, sreq: SeqRequest) -> Prompt:

@@ -32,6 +32,7 @@ exponent pass for the masked distribution (``docs/benchmarks.md`` has the figure
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -140,12 +141,20 @@ class RowGrammar:
         self._fork_mask = xgr.allocate_token_bitmask(1, vocab_size)
         self._fork_masks = self._fork_mask.numpy().view(np.uint32)
         self._accepted = 0  # tokens the matcher took in this step's pass: rolled back unless committed
+        self.seconds = 0.0  # spent in ``draft`` (masking), for the block's span
 
     def draft(self, argmax: list[int], sampled: list[int], argmax_in: Callable[[int, np.ndarray], int],
               sample_in: Callable[[int, np.ndarray], int]) -> tuple[list[int], list[int]]:
         """This step's (argmax canvas, sampled canvas) under the grammar, from the unconstrained
         ``argmax`` and ``sampled`` canvases; ``argmax_in(j, ids)`` / ``sample_in(j, ids)``: the
         argmax / a draw at position j restricted to ``ids``. Fills ``masks``."""
+        t0 = time.perf_counter()
+        try:
+            return self._draft(argmax, sampled, argmax_in, sample_in)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _draft(self, argmax, sampled, argmax_in, sample_in) -> tuple[list[int], list[int]]:
         m, fork = self.matcher, None
         out_a, out_s = [], []
         for j, (cand_a, cand_s) in enumerate(zip(argmax, sampled, strict=True)):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from diffusion_plugin.request import SeqStatus, Sequence
 from diffusion_plugin.scheduler import Scheduler
+from tandem_core.tracing import TRACE
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +47,12 @@ class LoopStats:
 
 
 class DiffusionLoop:
-    def __init__(self, scheduler: Scheduler, runner, requests=None):
-        """``requests``: a ``vllm_names.RequestHistograms`` told of each sequence that ends."""
+    def __init__(self, scheduler: Scheduler, runner, requests=None, spans=None):
+        """``requests``: a ``vllm_names.RequestHistograms`` told of each sequence that ends;
+        ``spans``: a ``spans.SeqSpans`` told of each step, commit and end (None: untraced)."""
         self.scheduler = scheduler
         self.requests = requests
+        self.spans = spans
         self.runner = runner
         self.seqs: dict[str, Sequence] = {}
         self.queues: dict[str, asyncio.Queue] = {}
@@ -73,8 +76,9 @@ class DiffusionLoop:
             raise RuntimeError(f"the diffusion loop died: {self.dead!r}")
         queue: asyncio.Queue = asyncio.Queue()
         now = time.monotonic()
+        trace = TRACE.get() if self.spans is not None else None  # (the submitting request's task)
         for seq in seqs:
-            seq.arrival = now
+            seq.arrival, seq.trace = now, trace
             self.seqs[seq.seq_id] = seq
             self.queues[seq.seq_id] = queue
             self.scheduler.add(seq)
@@ -110,6 +114,8 @@ class DiffusionLoop:
         if event.kind is EventKind.FINISHED:
             if self.requests is not None:
                 self.requests.finished(event.seq, time.monotonic())
+            if self.spans is not None:
+                self.spans.finished(event.seq)
             self.queues.pop(event.seq.seq_id, None)
             self.seqs.pop(event.seq.seq_id, None)
 
@@ -149,13 +155,18 @@ class DiffusionLoop:
                 self.stats.forward_s += out.forward_s
                 self.stats.busy_s += out.step_s
                 # 3. update, then tell each request what happened to it
+                stepped_at = time.monotonic()
                 for row in out.rows:
                     seq = self.seqs.get(row.seq_id)
+                    if self.spans is not None and seq is not None:
+                        self.spans.stepped(seq, stepped_at)
                     if row.preview is not None and seq is not None and not row.block_done:
                         self._emit(SeqEvent(EventKind.PREVIEW, seq, row.preview, step=seq.step + 1))
                 committed, finished = self.scheduler.update(out)
                 done_at = time.monotonic()
                 for c in committed:
+                    if self.spans is not None:
+                        self.spans.committed(c.seq, c.new_ids, done_at, c.seq.params.max_denoising_steps)
                     self.stats.block_seconds += done_at - c.seq.block_started
                     c.seq.block_started = done_at
                     if c.new_ids and c.seq.first_token_at is None:

@@ -106,6 +106,7 @@ class Sequence:
     step: int = 0  # denoise steps run in the current block
     admitted_at: float | None = None
     first_token_at: float | None = None  # when its first output block committed (the loop stamps it)
+    trace: dict | None = None  # the W3C context its spans continue (``spans.py``; None: untraced)
     block_started: float = 0.0
     error: str | None = None
     # The request's encoded images (the family's ImageEmbeds; opaque here): used by this

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -83,7 +84,7 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
     metrics, model = service.metrics, request.state.tandem_model
     if route in DONE_ROUTES:  # the hot path: unchanged
         body_iter = sse_body(answer.first, answer.items, answer.release,
-                             _chunk_observer(metrics, model, env.key_name, env.stats))
+                             _chunk_observer(metrics, model, env.key_name, env.stats, service.tracing is not None))
     else:
         body_iter = event_body(answer.first, answer.items, answer.release, route)
     return StreamingResponse(body_iter, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
@@ -118,6 +119,8 @@ async def serve(service: Service, env: Envelope, pin: Replica | None = None,
     name = service.router.aliases.get(env.model, env.model)
     model_cfg = service.config.model(name) or service.config.model(service.adapters.base_of(name) or "")
     span = tracing.request_span(env, model_cfg.kind.value if model_cfg else "unknown", internal)
+    if span.get_span_context().trace_flags.sampled:  # the access line names its trace
+        env.stats["trace_id"] = format(span.get_span_context().trace_id, "032x")
     try:
         answer = await _serve(service, env, pin, watch, admit, span)
     except BaseException as e:
@@ -357,8 +360,13 @@ def _deadline(request: Request) -> float | None:
     return ms / 1000.0
 
 
-def _chunk_observer(metrics, model: str, key_name: str | None, stats: dict):
+_FINISH = re.compile(r'"finish_reason": ?"(\w+)"')
+
+
+def _chunk_observer(metrics, model: str, key_name: str | None, stats: dict, traced: bool = False):
+    """``traced``: the stream's finish reasons noted too (``stats["finish_reasons"]``, for its span)."""
     last = now()
+    reasons = stats.setdefault("finish_reasons", []) if traced else None
 
     def observe(chunk: str) -> None:
         nonlocal last
@@ -368,6 +376,8 @@ def _chunk_observer(metrics, model: str, key_name: str | None, stats: dict):
         usage = metrics.observe_sse(model, chunk, key_name)
         if usage is not None:
             _note_usage(stats, usage)
+        if reasons is not None and '"finish_reason"' in chunk:
+            reasons.extend(_FINISH.findall(chunk))
 
     return observe
 

@@ -69,7 +69,7 @@ def log_access(state: dict, method: str, path: str, status: int, total_s: float)
     for name in ("queue_s", "ttft_s"):
         if stats.get(name) is not None:
             fields[name.replace("_s", "_ms")] = round(stats[name] * 1000, 2)
-    for name in ("prompt_tokens", "completion_tokens", "replica"):
+    for name in ("prompt_tokens", "completion_tokens", "replica", "trace_id"):
         if stats.get(name) is not None:
             fields[name] = stats[name]
     text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None and k not in ("method", "path", "status"))

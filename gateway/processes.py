@@ -202,11 +202,13 @@ async def _parent(config: TandemConfig, make_deployment, owner: bool, log_level:
         config = config.model_copy(update={"ray": config.ray.model_copy(update={"address": address})})
     metrics_server = None
     if service is None and config.metrics.port is not None:  # attached: this host's processes' metrics
-        from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+        from prometheus_client import CollectorRegistry, multiprocess
+
+        from gateway.metrics import serve_metrics
 
         registry = CollectorRegistry(auto_describe=True)
         multiprocess.MultiProcessCollector(registry, path=metrics_dir)
-        metrics_server, _ = start_http_server(config.metrics.port, config.metrics.host, registry=registry)
+        metrics_server = serve_metrics(config.metrics.port, config.metrics.host, registry)
     limits_path = create_shared_limits(config, workdir)
     admission_path = create_shared_admission(config, workdir)
     group = ProcessGroup(config, make_deployment, sock, log_level, access_log, log_format, limits_path,
@@ -225,6 +227,7 @@ async def _parent(config: TandemConfig, make_deployment, owner: bool, log_level:
         sock.close()
         if metrics_server is not None:
             metrics_server.shutdown()
+            metrics_server.server_close()
         if service is not None:
             await service.stop()
     if service is not None and service.fatal:

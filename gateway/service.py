@@ -82,10 +82,10 @@ class Service:
         self.loop = asyncio.get_running_loop()
         self.supervisor.start()
         if self.config.metrics.port is not None and self.serves_metrics_port:
-            from prometheus_client import start_http_server
+            from gateway.metrics import serve_metrics
 
-            self._metrics_server, _ = start_http_server(self.config.metrics.port, self.config.metrics.host,
-                                                        registry=self.metrics.exposition)
+            self._metrics_server = serve_metrics(self.config.metrics.port, self.config.metrics.host,
+                                                 self.metrics.exposition)
             logger.info("metrics on http://%s:%d/metrics", self.config.metrics.host, self.config.metrics.port)
         if self.ready_before_serving:
             deadline = time.monotonic() + READY_WAIT_S
@@ -121,5 +121,6 @@ class Service:
         await self.supervisor.stop()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # the spans left, exported

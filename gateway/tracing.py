@@ -16,7 +16,7 @@ standard ``OTEL_EXPORTER_OTLP_*`` variables (headers, timeout, certificates).
 
 from __future__ import annotations
 
-import os
+from tandem_core.tracing import endpoint_of, exporter_for
 
 OPERATIONS = {"chat": "chat", "completions": "text_completion", "responses": "chat", "messages": "chat",
               "embeddings": "embeddings"}
@@ -25,30 +25,12 @@ SETTINGS = {"max_tokens": "gen_ai.request.max_tokens", "max_completion_tokens": 
             "top_p": "gen_ai.request.top_p", "seed": "gen_ai.request.seed", "stream": "gen_ai.request.stream"}
 
 
-def endpoint_of(cfg) -> str | None:
-    """The traces' endpoint: the config's, else the standard environment variables'."""
-    return (cfg.otlp_traces_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-            or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
-
-
 def make_tracing(cfg, exporter=None) -> Tracing | None:
     """A ``Tracing`` when an endpoint is set (or ``exporter`` given: tests), else None."""
     endpoint = endpoint_of(cfg)
     if exporter is None and endpoint is None:
         return None
-    return Tracing(cfg, exporter or _exporter(endpoint))
-
-
-def _exporter(endpoint: str):
-    if endpoint.startswith("grpc://"):
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        return OTLPSpanExporter(endpoint="http://" + endpoint.removeprefix("grpc://"), insecure=True)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    if not endpoint.rstrip("/").endswith("/v1/traces"):
-        endpoint = endpoint.rstrip("/") + "/v1/traces"
-    return OTLPSpanExporter(endpoint=endpoint)
+    return Tracing(cfg, exporter or exporter_for(endpoint))
 
 
 class Tracing:
@@ -107,6 +89,9 @@ class Tracing:
         the error."""
         from opentelemetry.trace import Status, StatusCode
 
+        if not span.is_recording():  # not sampled (an unsampled parent, the sample ratio)
+            span.end()
+            return
         if answer is not None:
             span.set_attribute("gen_ai.response.id", str(answer.get("id", "")))
             reasons = [c.get("finish_reason") for c in answer.get("choices") or () if c.get("finish_reason")]
@@ -120,6 +105,8 @@ class Tracing:
             span.set_attribute("gen_ai.usage.input_tokens", stats["prompt_tokens"])
         if stats.get("completion_tokens") is not None:
             span.set_attribute("gen_ai.usage.output_tokens", stats["completion_tokens"])
+        if stats.get("finish_reasons"):  # a stream's (``generate._chunk_observer``)
+            span.set_attribute("gen_ai.response.finish_reasons", stats["finish_reasons"])
         if stats.get("ttft_s") is not None and (span.attributes or {}).get("gen_ai.request.stream"):
             span.set_attribute("gen_ai.response.time_to_first_chunk", stats["ttft_s"])
         if error is not None:

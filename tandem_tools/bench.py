@@ -32,7 +32,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from tandem_tools import procstat
-from tandem_tools.setups import MODEL, TANDEM_RAY, TARGETS, Setup, build_setups, missing_binaries
+from tandem_tools.otlp_sink import Sink
+from tandem_tools.setups import MODEL, TANDEM_RAY, TANDEM_TRACED, TARGETS, Setup, build_setups, missing_binaries
 from tandem_tools.vllm_bench import LevelResult, LevelSpec, run_level
 from workers import tiny_models
 
@@ -63,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ar mode: interleaved rounds, every setup once per round (default: 2)")
     p.add_argument("--targets", default=",".join(TARGETS),
                    help=f"ar mode: which setups to run (default: {','.join(TARGETS)}; also {TANDEM_RAY}: tandem "
-                        "with gateway.channel: ray, the channel to the replica over Ray instead of a socket)")
+                        "with gateway.channel: ray, the channel to the replica over Ray instead of a socket; "
+                        f"{TANDEM_TRACED}: tandem tracing every request, gateway, replica and vLLM spans, to an "
+                        "OTLP/HTTP sink in this process). Ratios are to direct, else to the first target")
     p.add_argument("--port", type=int, default=8123,
                    help="port for the server under test (default: 8123; a gateway's vLLM takes the next one)")
     p.add_argument("--out", help="also write the results as JSON to this file")
@@ -137,6 +140,7 @@ METRICS: list[tuple[str, Callable[[LevelResult], float | None], str, bool]] = [
     ("TTFT p99 ms", lambda r: r.ttft_p99_ms, "{:.1f}", True),
     ("ITL p50 ms", lambda r: r.itl_p50_ms, "{:.2f}", True),
     ("gateway CPU ms/request", lambda r: r.cpu_ms_per_request("gateway"), "{:.2f}", False),
+    ("serving CPU ms/request", lambda r: r.cpu_ms_per_request("serving"), "{:.2f}", False),
     ("gateway CPU ms/1k tok", lambda r: r.cpu_ms_per_1k_tokens("gateway"), "{:.0f}", False),
     ("gateway+serving CPU ms/1k tok", _front_cpu, "{:.0f}", True),
 ]
@@ -170,8 +174,9 @@ def summarize(results: dict[str, Rounds], levels: list[int], baseline: str = "di
 
 
 def format_table(results: dict[str, Rounds], levels: list[int]) -> str:
+    """Ratios are to ``direct`` (`vllm serve`), else to the first target."""
     targets = list(results)
-    summary = summarize(results, levels)
+    summary = summarize(results, levels, "direct" if "direct" in results else targets[0])
     lines = ["| c | metric | " + " | ".join(targets) + " |", "|---|---|" + "---|" * len(targets)]
     for c in levels:
         for label, _, fmt, _ in METRICS:
@@ -193,10 +198,10 @@ def format_table(results: dict[str, Rounds], levels: list[int]) -> str:
 def main(args: argparse.Namespace) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    unknown = sorted(set(targets) - {*TARGETS, TANDEM_RAY})
+    known = [*TARGETS, TANDEM_RAY, TANDEM_TRACED]
+    unknown = sorted(set(targets) - set(known))
     if unknown:
-        print(f"tandem bench: unknown target(s) {', '.join(unknown)}; known: {', '.join([*TARGETS, TANDEM_RAY])}",
-              file=sys.stderr)
+        print(f"tandem bench: unknown target(s) {', '.join(unknown)}; known: {', '.join(known)}", file=sys.stderr)
         return 2
     missing = missing_binaries(targets)
     if missing:
@@ -206,7 +211,9 @@ def main(args: argparse.Namespace) -> int:
     model_path = str(tiny_models.build(tiny_models.TINY_LLAMA))
     results: dict[str, Rounds] = {t: [] for t in targets}
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp, ExitStack() as stack:
+        sink = stack.enter_context(Sink()) if TANDEM_TRACED in targets else None
+        args.otlp_endpoint = sink.endpoint if sink else None
         setups = build_setups(args, model_path, Path(tmp))
         for rnd in range(args.rounds):
             for name in round_order(targets, rnd):
@@ -216,6 +223,8 @@ def main(args: argparse.Namespace) -> int:
           f"{args.max_tokens} output tokens, ignore_eos), medians of {args.rounds} interleaved rounds, "
           f"{time.monotonic() - t0:.0f} s\n")
     print(table)
+    if sink is not None:
+        print(f"\n{TANDEM_TRACED}: {sink.spans:,} spans received by the OTLP sink")
     if args.out:
         Path(args.out).write_text(json.dumps(
             {"levels": levels, "rounds": args.rounds, "input_len": args.input_len, "max_tokens": args.max_tokens,

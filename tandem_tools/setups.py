@@ -19,6 +19,7 @@ from tandem_tools.servers import Server
 ENGINE_ARGS = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 64, "dtype": "float32"}
 TARGETS = ("direct", "vllm-router", "smg", "tandem")
 TANDEM_RAY = "tandem-ray"  # opt-in: tandem with gateway.channel: ray (the socket channel's before)
+TANDEM_TRACED = "tandem-traced"  # opt-in: tandem tracing every request (sample ratio 1) to an OTLP sink
 MODEL = "tiny-llama"
 ACTOR_PREFIX = "ray::EngineActor"
 # Run in every Python process started with ``site_dir`` first on PYTHONPATH (Ray's workers
@@ -74,9 +75,11 @@ def router_argv(kind: str, port: int, worker_port: int, metrics_port: int) -> li
     raise ValueError(f"unknown router {kind!r}")
 
 
-def tandem_config(port: int, model_path: str, channel: str = "socket") -> dict:
+def tandem_config(port: int, model_path: str, channel: str = "socket", traces: str | None = None) -> dict:
+    """``traces``: an OTLP endpoint every request's spans go to (sample ratio 1)."""
     return {
         "gateway": {"host": "127.0.0.1", "port": port, "channel": channel},
+        **({"observability": {"otlp_traces_endpoint": traces, "sample_ratio": 1.0}} if traces else {}),
         "ray": {"num_cpus": 2},
         "models": [{"name": MODEL, "kind": "autoregressive", "source": model_path,
                     "resources": {"num_gpus": 0, "num_cpus": 1}, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
@@ -95,16 +98,18 @@ def build_setups(args, model_path: str, workdir: Path) -> dict[str, Setup]:
                                      "--disable-uvicorn-access-log", *_vllm_flags(ENGINE_ARGS)],
                       port, "/v1/models", workdir / log, env)
 
-    def tandem(name: str, channel: str) -> Server:
+    def tandem(name: str, channel: str, traces: str | None = None) -> Server:
         cfg_path = workdir / f"{name}.yaml"
-        cfg_path.write_text(yaml.safe_dump(tandem_config(args.port, model_path, channel)))
+        cfg_path.write_text(yaml.safe_dump(tandem_config(args.port, model_path, channel, traces)))
         return Server(name, [sys.executable, "-m", "tandem_tools.cli", "--log-level", "warning", "serve",
                              "--config", str(cfg_path)], args.port, "/ready", workdir / f"{name}.log", env)
 
     direct = vllm(args.port, "direct.log")
     setups = {"direct": Setup("direct", [direct], None, lambda: direct.proc.pid)}
-    for name, channel in (("tandem", "socket"), (TANDEM_RAY, "ray")):
-        gateway = tandem(name, channel)
+    traces = getattr(args, "otlp_endpoint", None)  # (bench.main's sink, when tandem-traced runs)
+    for name, channel, traced in (("tandem", "socket", None), (TANDEM_RAY, "ray", None),
+                                  (TANDEM_TRACED, "socket", traces)):
+        gateway = tandem(name, channel, traced)
         setups[name] = Setup(name, [gateway], gateway, lambda g=gateway: procstat.find(g.proc.pid, ACTOR_PREFIX))
     for kind in ("vllm-router", "smg"):
         engine = vllm(args.port + 1, f"{kind}-vllm.log")

@@ -9,6 +9,7 @@ Errors go back as values. The class is plain Python: ``workers.deployment`` wrap
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import os
@@ -16,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from tandem_core import tracing
 from tandem_core.config import ModelConfig
 from tandem_core.errors import ErrorKind, TandemError, request_timeout
 from tandem_core.protocol import (
@@ -38,9 +40,12 @@ CHANNEL_WAIT_S = 10.0
 
 class EngineActor:
     def __init__(self, model: dict, source_path: str, replica_id: str, engine_key: str | None = None,
-                 engine: Engine | None = None):
+                 engine: Engine | None = None, trace_settings: dict | None = None):
+        """``trace_settings``: ``tandem_core.tracing.replica_settings`` (None: tracing off)."""
         self.cfg = ModelConfig.model_validate(model)
         self.replica_id = replica_id
+        if trace_settings is not None:  # before the engine exists: engines read it
+            tracing.configure(trace_settings)
         self.engine = engine if engine is not None else create_engine(self.cfg, source_path, engine_key)
         self.info: EngineInfo | None = None
         self.incarnation = uuid.uuid4().hex  # a restarted actor runs __init__ again: a new one
@@ -112,7 +117,21 @@ class EngineActor:
         self.submit_on(await self._outbox(channel_id), request)
 
     def submit_on(self, outbox: Outbox, request: EngineRequest) -> None:
-        outbox.start(request.request_id, self._items(request))
+        tracer = tracing.tracer()
+        if tracer is None or request.trace is None:
+            outbox.start(request.request_id, self._items(request))
+            return
+        # The replica's span of the request, continuing the gateway's attempt: the engine's own
+        # spans (vLLM's llm_request, a diffusion model's blocks) are its children, through
+        # ``tracing.TRACE`` in the request's task.
+        span = tracer.start_span(f"replica {request.route}", context=tracing.parent_of(request.trace),
+                                 attributes={"tandem.replica.id": self.replica_id, "tandem.replica.node": _node_name(),
+                                             "tandem.replica.incarnation": self.incarnation,
+                                             "tandem.engine_request_id": request.request_id})
+        context = contextvars.copy_context()
+        if span.is_recording():  # (not sampled: the engine makes no spans of its own either)
+            context.run(tracing.TRACE.set, tracing.carrier_of(span))
+        outbox.start(request.request_id, _spanned(span, self._items(request)), context=context)
 
     def _items(self, request: EngineRequest) -> AsyncIterator[Item]:
         route = request.route
@@ -210,6 +229,29 @@ class EngineActor:
         for outbox in list(self._channels.values()):
             outbox.close()  # a socket channel's connection closes with it
         await self.engine.shutdown()
+
+
+def _node_name() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+async def _spanned(span, items: AsyncIterator[Item]) -> AsyncIterator[Item]:
+    """``items``, the span ended after the last (marked with an error item's kind)."""
+    failed = None
+    try:
+        async for item in items:
+            if isinstance(item, TandemError):
+                failed = item
+            yield item
+    finally:
+        if failed is not None:
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_attribute("error.type", failed.kind.value)
+            span.set_status(Status(StatusCode.ERROR, failed.message))
+        span.end()
 
 
 def _node_address() -> str:

@@ -142,6 +142,7 @@ class RayDeployment:
     def _create(self, model: ModelConfig, index: int) -> tuple[str, RayReplicaHandle]:
         import ray
 
+        from tandem_core.tracing import replica_settings
         from workers.actor import EngineActor
 
         source = resolve_source(model, self.config.models_dir)
@@ -160,8 +161,9 @@ class RayDeployment:
             options["runtime_env"] = {"env_vars": dict(model.env)}
         if self.role is Role.OWNER:  # other gateway processes find it by name
             options["name"] = actor_name(rid)
-        actor = ray.remote(EngineActor).options(**options).remote(model.model_dump(mode="json"), source, rid,
-                                                                  self.engine_key)
+        actor = ray.remote(EngineActor).options(**options).remote(
+            model.model_dump(mode="json"), source, rid, self.engine_key,
+            trace_settings=replica_settings(self.config.observability))
         self._actors[rid] = actor
         return rid, RayReplicaHandle(actor, channel=self.config.gateway.channel)
 

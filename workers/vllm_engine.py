@@ -9,6 +9,7 @@ the request body. Only the error shape is translated into tandem's taxonomy.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -59,7 +60,7 @@ class VllmEngine:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = build_vllm_args(self.model, self.source, self.engine_args, self.lora_modules, self.aliases)
+        args = build_vllm_args(self.model, self.source, _traced(self.engine_args), self.lora_modules, self.aliases)
         try:
             eargs = AsyncEngineArgs.from_cli_args(args)
             vllm_config = eargs.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
@@ -72,6 +73,8 @@ class VllmEngine:
             disable_log_stats=eargs.disable_log_stats,
             stat_loggers=[self._totals.factory()],
         )
+        if self._llm.observability_config.otlp_traces_endpoint:
+            _continue_traces(self._llm)
         # Set by the engine core at start-up (its KV blocks); the gateway sizes its prefix index on it.
         cache, par = vllm_config.cache_config, vllm_config.parallel_config
         self._kv_cache_tokens = (cache.num_gpu_blocks or 0) * (cache.block_size or 0) or None
@@ -324,6 +327,34 @@ class VllmEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+def _traced(engine_args: dict) -> dict:
+    """With the replica's tracing on, vLLM exports its own ``llm_request`` spans to the same
+    collector (``--otlp-traces-endpoint``; an endpoint set in engine_args wins)."""
+    from tandem_core import tracing
+
+    settings = tracing.settings()
+    if settings is None or engine_args.get("otlp_traces_endpoint"):
+        return engine_args
+    endpoint, protocol = tracing.vllm_exporter(settings["endpoint"])
+    os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)  # vLLM's exporter reads it
+    return {**engine_args, "otlp_traces_endpoint": endpoint}
+
+
+def _continue_traces(llm) -> None:
+    """vLLM's serving objects take a request's trace context from its HTTP headers, which a
+    replica has none of (``raw_request`` is None): its requests are given the replica's span of
+    the request (``tracing.TRACE``, set in the request's task) instead, so vLLM's ``llm_request``
+    span is that span's child."""
+    from tandem_core import tracing
+
+    add_request = llm.add_request
+
+    async def add_request_in_trace(*args, trace_headers=None, **kwargs):
+        return await add_request(*args, trace_headers=trace_headers or tracing.TRACE.get(), **kwargs)
+
+    llm.add_request = add_request_in_trace
 
 
 def vllm_exposition() -> str:

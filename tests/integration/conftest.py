@@ -8,15 +8,25 @@ import gc
 import pytest
 
 from tests.integration.stack import ENGINE_ARGS, REPO, Stack, running_stack
+from tests.otlp_receiver import Receiver
 from tests.unit.gateway_server import free_port
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory) -> Stack:
+def otlp() -> Receiver:
+    """The OTLP/HTTP receiver the shared stack sends its traces to (gateway, replicas, vLLM)."""
+    with Receiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, otlp) -> Stack:
+    """Traced (``observability``): every test's requests go through the tracing path too."""
     tmp = tmp_path_factory.mktemp("stack")
     port = free_port()
     config = {
         "gateway": {"host": "127.0.0.1", "port": port, "health_interval_s": 2},
+        "observability": {"otlp_traces_endpoint": otlp.endpoint},
         "ray": {"num_cpus": 2},
         "models_dir": str(REPO / "models"),
         "models": [{

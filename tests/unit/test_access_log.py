@@ -70,3 +70,23 @@ def test_a_text_line_names_the_same_fields():
     line = out.getvalue()
     assert "POST /v1/chat/completions 200 request_id=r1 model=m total_ms=1250.0 queue_ms=500.0 ttft_ms=750.0" in line
     assert "prompt_tokens=3" in line
+
+
+def test_a_traced_request_names_its_trace(lines):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from gateway.tracing import Tracing
+    from tandem_core.config import ObservabilityConfig
+
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    with fake_gateway({"num_tokens": 2}) as (url, service, _):
+        service.tracing = Tracing(ObservabilityConfig(), InMemorySpanExporter(), batch=False)
+        try:
+            for flags in ("01", "00"):  # sampled, then not: only a trace that exists is named
+                r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "x"}, timeout=30,
+                               headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-{flags}"})
+                assert r.status_code == 200
+        finally:
+            service.tracing = None
+    sampled, unsampled = [x for x in lines() if x["path"] == "/v1/completions"]
+    assert sampled["trace_id"] == trace_id and "trace_id" not in unsampled

@@ -126,3 +126,65 @@ def test_vllm_request_families_count_each_ended_sequence_once():
     assert samples[("vllm:request_generation_tokens_bucket", "5.0", None)] == 1  # vLLM's 1-2-5 bounds
     assert samples[("vllm:request_generation_tokens_bucket", "10.0", None)] == 2
     assert samples[("vllm:time_to_first_token_seconds_bucket", "2560.0", None)] == 2
+
+
+class TwoStepRunner(FakeRunner):
+    """Each block takes two steps (converged: the sequences' limit is three)."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps: dict[str, int] = {}
+
+    def execute(self, batch, seqs):
+        rows = []
+        for s in batch.denoise:
+            self.steps[s] = self.steps.get(s, 0) + 1
+            done = self.steps[s] % 2 == 0
+            rows.append(RowOutput(s, done, committed=[7] * 4 if done else None))
+        return StepOutput(rows=rows, forward_s=0.001)
+
+
+def test_a_traced_sequence_has_a_prompt_span_and_one_span_per_committed_block():
+    """The spans continue the context the request was submitted in (``tracing.TRACE``); an
+    untraced request makes none."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from diffusion_plugin.spans import SeqSpans
+    from tandem_core import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    parent = provider.get_tracer("t").start_span("replica chat")
+    carrier = tracing.carrier_of(parent)
+
+    async def main():
+        loop = DiffusionLoop(Scheduler(max_batch=4, canvas_length=4), TwoStepRunner(),
+                             spans=SeqSpans(provider.get_tracer("d"), lambda seq_id: 0.0))
+        loop.start()
+        token = tracing.TRACE.set(carrier)
+        traced = loop.submit(_seq("t", max_tokens=12))
+        tracing.TRACE.reset(token)
+        untraced = loop.submit(_seq("u", max_tokens=8))
+        events = await _drain(traced) + await _drain(untraced)
+        await loop.stop()
+        return events
+
+    events = asyncio.run(main())
+    blocks = [e for e in events if e.kind is EventKind.BLOCK and e.seq.seq_id == "t"]
+    spans = exporter.get_finished_spans()
+    assert {s.attributes["tandem.sequence"] for s in spans} == {"t"}
+    assert all(s.parent.span_id == parent.context.span_id and s.context.trace_id == parent.context.trace_id
+               for s in spans)
+    (prompt,) = [s for s in spans if s.name == "diffusion prompt"]
+    assert prompt.attributes["gen_ai.usage.input_tokens"] == 3
+    block_spans = [s for s in spans if s.name == "diffusion block"]
+    assert len(block_spans) == len(blocks) == 3
+    for i, s in enumerate(block_spans):
+        assert s.attributes["tandem.block.index"] == i and s.attributes["tandem.block.steps"] == 2
+        assert s.attributes["tandem.block.converged"] is True and s.attributes["tandem.block.tokens"] == 4
+        assert [e.name for e in s.events] == ["step", "step", "converged", "commit"]
+        assert s.start_time <= s.events[0].timestamp <= s.events[-1].timestamp <= s.end_time
+    assert prompt.end_time <= block_spans[0].events[0].timestamp + 1

@@ -300,3 +300,32 @@ def test_reset_prefix_cache_reaches_every_live_replica_of_the_model_or_of_all(gw
                for rid, e in dep.engines.items())
     r = httpx.post(url + "/reset_prefix_cache", params={"model": "missing"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_the_metrics_port_keeps_vllms_names_for_prometheus_2s_accept_header():
+    """prometheus_client 0.26's OpenMetrics writer turns ``vllm:x`` samples into ``vllm_x``; the
+    metrics port answers Prometheus's text format whatever the scraper asks (as the API port)."""
+    from prometheus_client import CollectorRegistry
+
+    from diffusion_plugin.vllm_names import vllm_exposition
+    from gateway.metrics import engine_families, serve_metrics
+    from tests.unit.gateway_server import free_port
+
+    class Engines:
+        def collect(self):
+            return engine_families([("m", "m/0", "serving", {"exposition": vllm_exposition("m", 1, 0, 5, 6, {}, 0.5)})])
+
+    registry = CollectorRegistry()
+    registry.register(Engines())
+    port = free_port()
+    server = serve_metrics(port, "127.0.0.1", registry)
+    try:
+        r = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Accept": (
+            "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+            "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")})
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.headers["content-type"].startswith("text/plain")
+    assert 'vllm:num_requests_running{engine="0",model_name="m",replica="m/0"} 1.0' in r.text
+    assert "vllm_" not in r.text

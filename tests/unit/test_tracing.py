@@ -10,6 +10,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway.tracing import Tracing
+from tandem_core import tracing as replica_tracing
 from tandem_core.config import ObservabilityConfig
 from tests.unit.gateway_server import fake_gateway
 
@@ -24,6 +25,7 @@ def traced():
     with fake_gateway({"num_tokens": 3}) as (url, service, deployment):
         assert service.tracing is None  # off by default
         service.tracing = Tracing(ObservabilityConfig(), exporter, batch=False)
+        replica_tracing.configure(None, exporter=exporter)  # the in-process replicas' (EngineActor's)
         sent = []
         for replica in service.router.all_replicas():
             call = replica.handle.call
@@ -35,6 +37,7 @@ def traced():
             replica.handle.call = spy
         yield url, exporter, sent
         service.tracing = None
+        replica_tracing.configure(None)
 
 
 def _by_name(exporter) -> dict:
@@ -64,6 +67,10 @@ def test_a_request_is_one_trace_continuing_the_clients(traced):
     # The replica gets the attempt's context (to continue the trace there).
     (req,) = sent
     assert req.trace["traceparent"].split("-")[1:3] == [TRACE_ID, format(attempt.context.span_id, "016x")]
+    # ... and continues it: the replica's span of the request is the attempt's child.
+    replica = spans["replica chat"]
+    assert replica.parent.span_id == attempt.context.span_id and replica.context.trace_id == request.context.trace_id
+    assert replica.attributes["tandem.replica.id"] == "fake/0" and replica.attributes["tandem.replica.node"]
 
 
 def test_a_stream_span_ends_with_the_stream_and_a_failure_is_marked(traced):
@@ -77,6 +84,7 @@ def test_a_stream_span_ends_with_the_stream_and_a_failure_is_marked(traced):
     stream = spans["chat fake"]
     assert stream.attributes["gen_ai.request.stream"] is True and stream.parent is None  # a new trace
     assert stream.attributes["gen_ai.response.time_to_first_chunk"] >= 0
+    assert tuple(stream.attributes["gen_ai.response.finish_reasons"]) == ("stop",)
     exporter.clear()
     r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": -1}, timeout=30)
     assert r.status_code == 400
@@ -86,44 +94,20 @@ def test_a_stream_span_ends_with_the_stream_and_a_failure_is_marked(traced):
 
 def test_spans_reach_an_otlp_http_receiver():
     """The real exporter (OTLP over HTTP/protobuf, batched) to a receiver decoding what it gets."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
     from gateway.tracing import make_tracing
+    from tests.otlp_receiver import Receiver
 
-    got: list = []
-
-    class Receiver(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            got.append((self.path, ExportTraceServiceRequest.FromString(body)))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Receiver)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        with fake_gateway({"num_tokens": 2}) as (url, service, _):
-            endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-            service.tracing = make_tracing(ObservabilityConfig(otlp_traces_endpoint=endpoint))
-            r = httpx.post(url + "/v1/completions", headers={"traceparent": TRACEPARENT}, timeout=30,
-                           json={"model": "fake", "prompt": "x"})
-            assert r.status_code == 200
-            service.tracing.provider.force_flush()
-            service.tracing.shutdown()
-            service.tracing = None
-    finally:
-        server.shutdown()
-    spans = [s for path, req in got for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
-    assert {path for path, _ in got} == {"/v1/traces"}
-    assert sorted(s.name for s in spans) == ["admission", "attempt", "text_completion fake"]
-    assert {s.trace_id.hex() for s in spans} == {TRACE_ID}
+    with Receiver() as receiver, fake_gateway({"num_tokens": 2}) as (url, service, _):
+        service.tracing = make_tracing(ObservabilityConfig(otlp_traces_endpoint=receiver.endpoint))
+        r = httpx.post(url + "/v1/completions", headers={"traceparent": TRACEPARENT}, timeout=30,
+                       json={"model": "fake", "prompt": "x"})
+        assert r.status_code == 200
+        service.tracing.provider.force_flush()
+        service.tracing.shutdown()
+        service.tracing = None
+    assert set(receiver.paths) == {"/v1/traces"}
+    assert sorted(s.name for s in receiver.spans) == ["admission", "attempt", "text_completion fake"]
+    assert {s.trace_id for s in receiver.spans} == {TRACE_ID}
 
 
 def test_off_unless_an_endpoint_is_set_in_the_config_or_otels_variables(monkeypatch):
@@ -138,3 +122,68 @@ def test_off_unless_an_endpoint_is_set_in_the_config_or_otels_variables(monkeypa
     tracing = make_tracing(ObservabilityConfig(sample_ratio=0.1))
     assert tracing is not None
     tracing.shutdown()
+
+
+def test_a_request_retried_after_its_replica_died_has_two_attempts_in_one_trace():
+    """The victim's engine holds its requests (stalled), then its replica dies: each request it
+    held is retried on the other one, and its trace has two attempt spans, the first marked with
+    the failure, the second on the survivor (whichever replica each request first landed on)."""
+    import concurrent.futures as cf
+
+    from tests.unit.test_failover import TOKENS, _gateway, _kill, _wait_for
+
+    exporter = InMemorySpanExporter()
+    with _gateway() as (url, service, deployment):
+        service.tracing = Tracing(ObservabilityConfig(), exporter, batch=False)
+        victim = service.router.pools["fake"].replicas[0]
+        engine = deployment.engines[victim.id]
+        engine.stall = True
+
+        def complete(i: int) -> int:
+            tp = f"00-{i:032x}-{PARENT}-01"
+            return httpx.post(url + "/v1/completions", headers={"traceparent": tp}, timeout=60,
+                              json={"model": "fake", "prompt": f"x{i}", "max_tokens": TOKENS}).status_code
+
+        with cf.ThreadPoolExecutor(6) as ex:
+            futures = [ex.submit(complete, i) for i in range(1, 7)]
+            _wait_for(lambda: sum(f.done() for f in futures) + len(engine.running) == 6, 30,
+                      "each request answered by the survivor or held by the victim")
+            held = len(engine.running)
+            _kill(service, victim)
+            assert [f.result(timeout=60) for f in futures] == [200] * 6
+        service.tracing = None
+    assert held >= 1  # (the router spreads 6 requests over both replicas)
+    attempts: dict[int, list] = {}
+    for s in exporter.get_finished_spans():
+        if s.name == "attempt":
+            attempts.setdefault(s.context.trace_id, []).append(s)
+    assert sorted(attempts) == list(range(1, 7))  # one trace per request, the client's
+    retried = {t: a for t, a in attempts.items() if len(a) == 2}
+    assert len(retried) == held and all(len(a) <= 2 for a in attempts.values())
+    for first, second in (sorted(a, key=lambda s: s.start_time) for a in retried.values()):
+        assert first.attributes["tandem.replica.id"] == victim.id != second.attributes["tandem.replica.id"]
+        assert first.status.status_code.name == "ERROR" and first.attributes["error.type"] == "engine_dead"
+        assert second.status.status_code.name == "UNSET" and first.parent.span_id == second.parent.span_id
+
+
+def test_a_request_not_sampled_is_served_and_leaves_no_span(traced):
+    """Sample ratio 0 (and an unsampled ``traceparent``): nothing recorded, on the gateway or the
+    replica, and every answer as without tracing."""
+    url, exporter, sent = traced
+    body = {"model": "fake", "messages": [{"role": "user", "content": "x"}]}
+    unsampled = {"traceparent": f"00-{TRACE_ID}-{PARENT}-00"}
+    assert httpx.post(url + "/v1/chat/completions", json=body, headers=unsampled, timeout=30).status_code == 200
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, headers=unsampled,
+                      timeout=30) as s:
+        assert "data: [DONE]" in list(s.iter_lines())
+    r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": -1}, headers=unsampled,
+                   timeout=30)
+    assert r.status_code == 400
+    assert exporter.get_finished_spans() == ()
+    assert all(req.trace["traceparent"].endswith("-00") for req in sent)  # the replica is told: not sampled
+    # and a sample ratio of 0: no trace from a request that brings none
+    with fake_gateway({"num_tokens": 2}) as (url, service, _):
+        service.tracing = Tracing(ObservabilityConfig(sample_ratio=0), exporter, batch=False)
+        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+        service.tracing = None
+    assert exporter.get_finished_spans() == ()

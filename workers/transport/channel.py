@@ -57,9 +57,11 @@ class Outbox:
             if batch:
                 yield batch
 
-    def start(self, request_id: str, items: AsyncIterator[Item]) -> None:
-        """Run one request, sending what it yields (then END) through this outbox."""
-        self.tasks[request_id] = asyncio.create_task(self._run(request_id, items), name=f"req-{request_id}")
+    def start(self, request_id: str, items: AsyncIterator[Item], context=None) -> None:
+        """Run one request, sending what it yields (then END) through this outbox; ``context``:
+        the ``contextvars.Context`` its task runs in (None: a copy of the caller's)."""
+        self.tasks[request_id] = asyncio.create_task(self._run(request_id, items), name=f"req-{request_id}",
+                                                     context=context)
 
     async def _run(self, request_id: str, items: AsyncIterator[Item]) -> None:
         try:
