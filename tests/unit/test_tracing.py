@@ -124,6 +124,29 @@ def test_off_unless_an_endpoint_is_set_in_the_config_or_otels_variables(monkeypa
     tracing.shutdown()
 
 
+def test_replicas_are_told_where_spans_go_and_vllm_gets_the_same_collector(monkeypatch):
+    from tandem_core.tracing import replica_settings, vllm_exporter
+
+    for var in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    assert replica_settings(ObservabilityConfig()) is None  # off: the replicas build no tracer either
+    assert replica_settings(ObservabilityConfig(otlp_traces_endpoint="http://c:4318", sample_ratio=0.5)) == {
+        "endpoint": "http://c:4318", "sample_ratio": 0.5}
+    # vLLM's exporter takes its URL as given and its protocol from OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
+    assert vllm_exporter("http://c:4318") == ("http://c:4318/v1/traces", "http/protobuf")
+    assert vllm_exporter("http://c:4318/v1/traces") == ("http://c:4318/v1/traces", "http/protobuf")
+    assert vllm_exporter("grpc://c:4317") == ("http://c:4317", "grpc")
+
+
+def test_tracing_off_runs_no_exporter_thread():
+    import threading
+
+    with fake_gateway({"num_tokens": 2}) as (url, service, _):
+        assert service.tracing is None and replica_tracing.tracer() is None
+        assert httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "x"}, timeout=30).status_code == 200
+        assert not [t for t in threading.enumerate() if "Otel" in t.name or "Span" in t.name]
+
+
 def test_a_request_retried_after_its_replica_died_has_two_attempts_in_one_trace():
     """The victim's engine holds its requests (stalled), then its replica dies: each request it
     held is retried on the other one, and its trace has two attempt spans, the first marked with
