@@ -6,11 +6,11 @@ import functools
 import sys
 
 from gateway.config import load_config
+from gateway.logs import setup_logging
 from gateway.processes import serve_processes
-from tandem_tools.cli import _setup_logging
 from workers.deployment import RayDeployment
 
 if __name__ == "__main__":
-    _setup_logging("info")
+    setup_logging("info")
     config = load_config(sys.argv[1])
     sys.exit(serve_processes(config, functools.partial(RayDeployment, engine_key="fake"), log_level="info"))

@@ -4,14 +4,14 @@ import sys
 
 from gateway.app import build_app
 from gateway.config import parse_config
+from gateway.logs import setup_logging
 from gateway.server import run_server
 from gateway.service import Service
-from tandem_tools.cli import _setup_logging
 from workers.fake_engine import FakeDeployment
 
 if __name__ == "__main__":
     port, delay, control = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None
-    _setup_logging("info")
+    setup_logging("info")
     config = parse_config({"gateway": {"port": port, "drain_timeout_s": 60},
                            "models": [{"name": "fake", "kind": "autoregressive", "source": "none"}]})
     service = Service(config, FakeDeployment({"num_tokens": 20, "token_delay_s": delay, "control_file": control}))
