@@ -52,8 +52,9 @@ class Tracing:
     def shutdown(self) -> None:
         self.provider.shutdown()  # (flushes what is left)
 
-    def request_span(self, env, model: str, kind: str, internal: bool = False):
-        """The request's span, started (the caller ends it with ``finish``)."""
+    def request_span(self, env, kind: str, internal: bool = False):
+        """The request's span, started (the caller ends it with ``finish``); ``kind``: its model's
+        (``ModelKind`` value)."""
         from opentelemetry.trace import SpanKind
 
         operation = OPERATIONS.get(env.route, env.route)
