@@ -128,7 +128,10 @@ async def serve(service: Service, env: Envelope, pin: Replica | None = None,
         raise
     if answer.json is not None:
         tracing.finish(span, answer.json, env.stats)
-    else:  # a stream: its span ends with it
+    else:  # a stream: its span ends with it (its id: the first chunk's)
+        found = _ID.search(answer.first or "")
+        if found:
+            span.set_attribute("gen_ai.response.id", found.group(1))
         release = answer.release
 
         def release_and_finish() -> None:
@@ -361,6 +364,7 @@ def _deadline(request: Request) -> float | None:
 
 
 _FINISH = re.compile(r'"finish_reason": ?"(\w+)"')
+_ID = re.compile(r'"id": ?"([^"]+)"')
 
 
 def _chunk_observer(metrics, model: str, key_name: str | None, stats: dict, traced: bool = False):

@@ -30,6 +30,8 @@ def _stream(stack, model: str, traceparent: str, **kw):
         model=model, messages=[{"role": "user", "content": "Tell me about trees."}], stream=True,
         stream_options={"include_usage": True}, extra_headers={"traceparent": traceparent}, **kw))
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len({c.id for c in chunks}) == 1
+    chunks[-1].usage.id = chunks[0].id  # (carried along for the checks)
     return chunks[-1].usage, reasons
 
 
@@ -40,6 +42,7 @@ def _check_gateway_span(request, usage, reasons, model: str, parent: str):
     assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (usage.prompt_tokens,
                                                                                   usage.completion_tokens)
     assert a["gen_ai.response.finish_reasons"] == reasons and a["gen_ai.response.time_to_first_chunk"] > 0
+    assert a["gen_ai.response.id"] == usage.id
 
 
 def test_a_streamed_chat_on_vllm_is_one_trace_down_to_vllms_llm_request(stack, otlp):

@@ -5,6 +5,8 @@ context crosses the hop in the request record; a failure is marked; off by defau
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -85,6 +87,8 @@ def test_a_stream_span_ends_with_the_stream_and_a_failure_is_marked(traced):
     assert stream.attributes["gen_ai.request.stream"] is True and stream.parent is None  # a new trace
     assert stream.attributes["gen_ai.response.time_to_first_chunk"] >= 0
     assert tuple(stream.attributes["gen_ai.response.finish_reasons"]) == ("stop",)
+    first = json.loads(next(x for x in lines if x.startswith("data: {"))[6:])
+    assert stream.attributes["gen_ai.response.id"] == first["id"]
     exporter.clear()
     r = httpx.post(url + "/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": -1}, timeout=30)
     assert r.status_code == 400
