@@ -30,31 +30,32 @@ def _stream(stack, model: str, traceparent: str, **kw):
         model=model, messages=[{"role": "user", "content": "Tell me about trees."}], stream=True,
         stream_options={"include_usage": True}, extra_headers={"traceparent": traceparent}, **kw))
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert len({c.id for c in chunks}) == 1
-    chunks[-1].usage.id = chunks[0].id  # (carried along for the checks)
-    return chunks[-1].usage, reasons
+    (response_id,) = {c.id for c in chunks}
+    return chunks[-1].usage, reasons, response_id
 
 
-def _check_gateway_span(request, usage, reasons, model: str, parent: str):
+def _check_gateway_span(request, answer, model: str, parent: str):
+    usage, reasons, response_id = answer
     a = request.attributes
     assert request.parent_id == parent and request.kind == 2  # SERVER, under the client's span
     assert (a["gen_ai.operation.name"], a["gen_ai.request.model"], a["gen_ai.request.stream"]) == ("chat", model, True)
     assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (usage.prompt_tokens,
                                                                                   usage.completion_tokens)
     assert a["gen_ai.response.finish_reasons"] == reasons and a["gen_ai.response.time_to_first_chunk"] > 0
-    assert a["gen_ai.response.id"] == usage.id
+    assert a["gen_ai.response.id"] == response_id
 
 
 def test_a_streamed_chat_on_vllm_is_one_trace_down_to_vllms_llm_request(stack, otlp):
     trace_id, traceparent = _traceparent()
-    usage, reasons = _stream(stack, "tiny-llama", traceparent, max_tokens=12)
+    answer = _stream(stack, "tiny-llama", traceparent, max_tokens=12)
+    usage = answer[0]
     names = {"chat tiny-llama", "admission", "attempt", "replica chat", "llm_request"}
     wait_for(lambda: names <= {s.name for s in otlp.trace(trace_id)}, f"the spans {names} of trace {trace_id}",
              timeout=60)
     spans = otlp.trace(trace_id)
     request, attempt = _one(spans, "chat tiny-llama"), _one(spans, "attempt")
     replica, engine = _one(spans, "replica chat"), _one(spans, "llm_request")
-    _check_gateway_span(request, usage, reasons, "tiny-llama", traceparent.split("-")[2])
+    _check_gateway_span(request, answer, "tiny-llama", traceparent.split("-")[2])
     assert _one(spans, "admission").parent_id == attempt.parent_id == request.span_id
     assert replica.parent_id == attempt.span_id and replica.attributes["tandem.replica.id"] == "tiny-llama/0"
     assert engine.parent_id == replica.span_id  # vLLM's own span, fed the propagated context
@@ -69,7 +70,8 @@ def test_a_streamed_chat_on_diffusion_has_a_span_per_committed_block(stack, otlp
 
     before = blocks()
     trace_id, traceparent = _traceparent()
-    usage, reasons = _stream(stack, "tiny-diffusiongemma", traceparent, max_tokens=70, extra_body=FAST)
+    answer = _stream(stack, "tiny-diffusiongemma", traceparent, max_tokens=70, extra_body=FAST)
+    usage = answer[0]
     wait_for(lambda: blocks() > before, "the replica's stats to count the blocks committed", timeout=30)
     committed = blocks() - before
     wait_for(lambda: sum(s.name == "diffusion block" for s in otlp.trace(trace_id)) >= committed and
@@ -78,7 +80,7 @@ def test_a_streamed_chat_on_diffusion_has_a_span_per_committed_block(stack, otlp
     spans = otlp.trace(trace_id)
     request, attempt, replica = _one(spans, "chat tiny-diffusiongemma"), _one(spans, "attempt"), _one(spans,
                                                                                                       "replica chat")
-    _check_gateway_span(request, usage, reasons, "tiny-diffusiongemma", traceparent.split("-")[2])
+    _check_gateway_span(request, answer, "tiny-diffusiongemma", traceparent.split("-")[2])
     assert request.attributes["gen_ai.provider.name"] == "tandem"
     assert attempt.parent_id == request.span_id and replica.parent_id == attempt.span_id
     prompt = _one(spans, "diffusion prompt")
