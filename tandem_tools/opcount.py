@@ -1,0 +1,90 @@
+"""Aten ops per denoise step of the diffusion runner (issue 36's measure of a step shaped for a
+device: every aten op is at least one kernel launch there).
+
+``python -m tandem_tools.opcount [--model shape-diffusiongemma] [--rows 1,4] [--sampler fast]``
+admits ``rows`` sequences, runs until each is denoising, then counts the ops of one
+denoise-only step under a ``TorchDispatchMode``: in all, per layer, the most frequent, and the
+host synchronisations among them (``_local_scalar_dense``: ``.item()``/``.tolist()``;
+``nonzero``), which stall a device's queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+
+SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.is_nonzero")
+
+
+def count_step(adapter, rows: int, sampler: str = "fast", prompt_len: int = 16) -> dict:
+    """One denoise-only step of ``rows`` rows: {"ops", "per_layer", "syncs", "top"}."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from diffusion_plugin.request import SamplingParams, Sequence
+    from diffusion_plugin.runner import Runner
+    from diffusion_plugin.scheduler import Scheduler
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    params = {**adapter.defaults(), "max_denoising_steps": 64}
+    sched = Scheduler(max_batch=rows, canvas_length=adapter.canvas_length)
+    runner, seqs = Runner(adapter, sampler, kv_budget_bytes=1 << 30), {}
+    for i in range(rows):
+        seq = Sequence(seq_id=f"s{i}", prompt_ids=[(7 * i + j) % 1000 + 3 for j in range(prompt_len)],
+                       params=SamplingParams(max_tokens=adapter.canvas_length, seed=i, eos_token_ids=(), **params))
+        seqs[seq.seq_id] = seq
+        sched.add(seq)
+    for _ in range(8):  # admission and the prompt pass
+        batch, _ = sched.schedule()
+        if batch.denoise and not batch.encode and len(batch.denoise) == rows:
+            break
+        sched.update(runner.execute(batch, seqs))
+    else:
+        raise RuntimeError(f"bug: {rows} rows never denoised together")
+    counter = Count()
+    with torch.inference_mode(), counter:
+        runner.execute(batch, seqs)
+    total = sum(counter.ops.values())
+    layers = len(adapter.layer_types)
+    return {"rows": rows, "ops": total, "per_layer": round(total / layers, 1), "layers": layers,
+            "syncs": {k: counter.ops[k] for k in SYNCS if counter.ops[k]}, "top": counter.ops.most_common(8)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tandem_tools.opcount", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="shape-diffusiongemma", help="a built-in diffusion model or a path")
+    p.add_argument("--rows", default="1,4", help="rows per step, comma-separated (default: 1,4)")
+    p.add_argument("--sampler", choices=["fast", "exact"], default="fast")
+    p.add_argument("--json", action="store_true", help="one JSON line per row count")
+    args = p.parse_args(argv)
+    import torch
+
+    from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
+    from workers import tiny_models
+
+    torch.set_num_threads(1)
+    path = args.model if "/" in args.model else str(tiny_models.build(args.model))
+    adapter = DiffusionGemmaAdapter(path)
+    for rows in (int(x) for x in args.rows.split(",")):
+        result = count_step(adapter, rows, args.sampler)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"{args.model}, {args.sampler}, {rows} row(s): {result['ops']:,} aten ops per denoise step, "
+                  f"{result['per_layer']:,} per layer ({result['layers']} layers); host syncs {result['syncs']}; "
+                  f"most frequent {result['top']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
