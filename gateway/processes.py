@@ -204,7 +204,7 @@ async def _parent(config: TandemConfig, make_deployment, owner: bool, log_level:
     if service is None and config.metrics.port is not None:  # attached: this host's processes' metrics
         from prometheus_client import CollectorRegistry, multiprocess
 
-        from gateway.metrics import serve_metrics
+        from gateway.metrics_server import serve_metrics
 
         registry = CollectorRegistry(auto_describe=True)
         multiprocess.MultiProcessCollector(registry, path=metrics_dir)

@@ -82,7 +82,7 @@ class Service:
         self.loop = asyncio.get_running_loop()
         self.supervisor.start()
         if self.config.metrics.port is not None and self.serves_metrics_port:
-            from gateway.metrics import serve_metrics
+            from gateway.metrics_server import serve_metrics
 
             self._metrics_server = serve_metrics(self.config.metrics.port, self.config.metrics.host,
                                                  self.metrics.exposition)
