@@ -6,7 +6,7 @@ A batched GEMM (``bmm``) over n equal blocks gave every block the same bits for 
 (2..100, on both), and other bits at n = 1. So in fast mode's batched passes (``ROWS`` set: the
 decoder over canvases, batched commits) every linear over (B, C, H) rows is one ``bmm`` over its
 B rows (the weight broadcast, never copied), a lone row padded to two, and so is one over the same
-rows flattened (the MoE router's input); the tiled experts do the same over their tiles
+rows flattened (the MoE router's input). The experts run as grouped GEMMs
 (``diffusiongemma_moe``). Prompt passes run alone and are left as they are.
 """
 

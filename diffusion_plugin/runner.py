@@ -10,8 +10,8 @@ Per step:
 1. the encoder passes (prefills and commits, each row with its own mask into its cache): one
    batched pass in fast mode, row by row in exact mode;
 2. the decoder trunk over every row being denoised -> hidden states (fast: ONE batched forward,
-   one attention call per layer reading the pool in place, the experts as one fixed-tile
-   grouped GEMM per MoE layer for all rows; exact: row by row, see ``_trunk``);
+   one attention call per layer reading the pool in place, the experts as two grouped GEMMs
+   per MoE layer for all rows; exact: row by row, see ``_trunk``);
 3. the vocab-wide head and sampler over ``chunk_rows`` rows at a time (``diffusiongemma_vocab``),
    so its transient peak does not grow with the batch; random draws just in time;
 4. entropy-bound acceptance for all rows at once, and ONE host transfer of every row's
@@ -19,7 +19,7 @@ Per step:
 
 ``sampler="exact"`` reproduces ``generate()`` run alone bit for bit (per-row encoder, trunk and
 vocab work with HF's shapes and HF's experts: exact mode only). ``sampler="fast"``: one
-attention call per layer, tiled experts, fused vocab work, hash-based draws; batch-invariant,
+attention call per layer, grouped experts, fused vocab work, hash-based draws; batch-invariant,
 not equal to HF.
 """
 

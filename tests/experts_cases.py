@@ -1,5 +1,5 @@
 """Random DiffusionGemma expert blocks and routed tokens, for the batch-invariance tests of the
-fast mode's tiled experts (tests/unit on CPU, tests/gpu on a device)."""
+fast mode's grouped experts (tests/unit on CPU, tests/gpu on a device)."""
 
 import torch
 

@@ -1,29 +1,32 @@
-"""Batch-invariant mixture-of-experts for the fast mode (a grouped GEMM with fixed tiles).
+"""Batch-invariant mixture-of-experts for the fast mode: every expert's GEMMs in one grouped GEMM.
 
-HF's experts run one GEMM per expert over every token routed to it, from all rows at once. A
-GEMM's result for a token depends on how many rows (M) the GEMM has: the BLAS picks its kernel
-and blocking by M (seen here: 5 tokens alone vs among 8..513 differ by ~1e-7 at hidden 128,
-1024 and 2816), so a row's output would depend on what its batch mates routed to the same
-expert. Within one GEMM of a fixed shape, a token's result does not depend on the other rows nor
-on its position (measured: ``tests/unit/test_diffusion_fast.py``).
+HF's experts run one GEMM per expert hit, over every token routed to it from all rows at once, and
+look up which experts were hit on the host (``nonzero``): ~10 ops per expert hit per layer (at
+128 experts, ~2,800 aten ops per layer per step at the real shape; every op is a kernel launch
+on a device), a host synchronisation in each layer, and a row's result depends on its batch
+mates wherever a GEMM's kernel depends on its row count.
 
-So in fast mode (``FAST_EXPERTS`` set around the fast mode's passes, a lone row included) the
-experts run as a grouped GEMM whose every call has the same shape whatever the batch:
-1. the flattened batch's (token, slot) assignments are sorted by expert (a stable sort);
-2. each expert's group is padded to a multiple of ``TILE`` rows in one (tiles x TILE, H) buffer;
-3. per expert hit (the loop HF makes): one ``bmm`` of its tiles by its ``gate_up`` weight, the
-   activation, one ``bmm`` by its ``down`` weight: every GEMM in them is (TILE, H) x (H, 2I) or
-   (TILE, I) x (I, H), whatever the batch (a ``bmm`` over n >= 2 tiles gives the same bits per
-   tile for every n, on this CPU and on an H200; n = 1 other bits: a lone tile is padded to two,
-   ``gemm.bmm_blocks``);
-4. each output times its routing weight, gathered back to (token, slot) and summed per token
-   over its experts in ascending expert order, the order of HF's ``index_add_`` from zeros.
-Only each expert's own weights are read (broadcast over its tiles: a view, never copied;
-measured: no allocation). A single ``bmm`` over all tiles would need one weight copy per tile,
-24 MB each at the released model's 2816 x 704 experts. Memory: the padded buffer (at most
-``N*K + E*(TILE-1)`` rows of H) and its outputs, a few MB per row at the real shape.
-The result equals HF's up to the GEMMs' blocking (~1e-7). Exact mode leaves it unset: HF's own
-forward, bit-exact with ``generate()``.
+In fast mode (``FAST_EXPERTS`` set around the fast mode's passes, a lone row included) the
+experts run as ``grouped_experts``, a fixed sequence of ~35 ops whatever the rows or the experts
+hit, with no host synchronisation:
+1. the flattened batch's (token, slot) assignments are sorted by expert (a stable sort) and
+   counted per expert on the device;
+2. each expert's group is padded to a multiple of ``TILE`` rows inside one buffer of a static
+   size (``N*K + E*(TILE-1)`` rows: the most the padded groups can take), its groups' ends kept
+   on the device;
+3. ``torch._grouped_mm`` over that buffer by the experts' ``gate_up`` weights, the activation,
+   ``torch._grouped_mm`` by their ``down`` weights: two calls per layer, each expert's weights
+   read in place (never copied), the rows past the last group not computed;
+4. each output times its routing weight, back to (token, slot), summed per token in ascending
+   expert order (the order of HF's ``index_add_``).
+
+Batch invariance: a grouped GEMM computes each group as its own GEMM, so a token's bits may
+depend only on its group's row count. On this CPU (MKL) a row's result is the same for every
+row count from 5 up, at hidden 128, 1,024 and 2,816 (``tests/gpu/probe_gemm.py cpu``); groups are
+padded to multiples of ``TILE`` (8), so never below. On a device, ``_grouped_mm``'s kernel (bf16,
+sm90+) tiles each group by fixed row tiles with one reduction per output: checked in
+``tests/gpu`` when a device is lent. The result equals HF's up to the GEMMs' blocking (~1e-7).
+Exact mode leaves ``FAST_EXPERTS`` unset: HF's own forward, bit-exact with ``generate()``.
 """
 
 from __future__ import annotations
@@ -33,11 +36,9 @@ from contextvars import ContextVar
 
 import torch
 
-from diffusion_plugin.gemm import bmm_blocks
-
 FAST_EXPERTS: ContextVar[bool] = ContextVar("tandem_fast_experts", default=False)
-TILE = 32  # rows of every expert GEMM
-# Expert GEMM calls made (tests count them per step: they must not grow with the rows).
+TILE = 8  # every expert group's row count is a multiple of this (a GEMM of >= 5 rows: row-invariant)
+# Grouped GEMM calls made (tests count them per step: two per MoE layer, whatever the rows).
 GEMM_CALLS = [0]
 
 
@@ -52,13 +53,13 @@ def install(model) -> None:
 def _forward(module, hf_forward, hidden_states, top_k_index, top_k_weights):
     if not FAST_EXPERTS.get():
         return hf_forward(hidden_states, top_k_index, top_k_weights)
-    return tiled_experts(module.gate_up_proj, module.down_proj, module.act_fn, hidden_states, top_k_index,
-                         top_k_weights)
+    return grouped_experts(module.gate_up_proj, module.down_proj, module.act_fn, hidden_states, top_k_index,
+                           top_k_weights)
 
 
-def tiled_experts(gate_up: torch.Tensor, down: torch.Tensor, act, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                  top_k_weights: torch.Tensor, tile: int = TILE) -> torch.Tensor:
-    """HF's experts math over (N, H) tokens, each GEMM over exactly ``tile`` rows.
+def grouped_experts(gate_up: torch.Tensor, down: torch.Tensor, act, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, tile: int = TILE) -> torch.Tensor:
+    """HF's experts math over (N, H) tokens as two grouped GEMMs, each group a multiple of ``tile`` rows.
 
     ``gate_up`` (E, 2I, H), ``down`` (E, H, I), ``top_k_index``/``top_k_weights`` (N, K)."""
     N, H = hidden.shape
@@ -66,42 +67,29 @@ def tiled_experts(gate_up: torch.Tensor, down: torch.Tensor, act, hidden: torch.
     E = gate_up.shape[0]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert
-    counts = torch.bincount(flat, minlength=E)
-    tiles = (counts + tile - 1) // tile
-    padded_start = (torch.cumsum(tiles, 0) - tiles) * tile  # each expert's first row in the buffer
-    start = torch.cumsum(counts, 0) - counts
+    counts = torch.zeros(E, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + tile - 1) // tile * tile
+    ends = torch.cumsum(padded, 0)
     sorted_expert = flat[order]
-    rank = torch.arange(order.numel(), device=flat.device) - start[sorted_expert]
-    row = padded_start[sorted_expert] + rank  # buffer row of each sorted assignment
-    meta = torch.cat([tiles, padded_start]).tolist()  # one host transfer per layer (HF makes one too)
-    n_tiles, first = meta[:E], meta[E:]
-    total = sum(n_tiles) * tile
-    x = hidden.new_zeros((total, H))
-    x[row] = hidden[order // K]
-    out = hidden.new_empty((total, H))
-    hit = [e for e in range(E) if n_tiles[e]]
-    for e in hit:
-        n, s = n_tiles[e], first[e]
-        # (n, tile, H) x (H, 2I) as n fixed-shape GEMMs: the weight is broadcast (a view, no copy).
-        xs = x[s:s + n * tile].view(n, tile, H)
-        gate, up = bmm_blocks(xs, gate_up[e].t()).chunk(2, dim=-1)
-        out[s:s + n * tile] = bmm_blocks(act(gate) * up, down[e].t()).view(n * tile, H)
-        GEMM_CALLS[0] += 2
-    del x
+    # Each sorted assignment's row in the buffer: its expert's padded start plus its rank there.
+    row = (ends - padded - torch.cumsum(counts, 0) + counts)[sorted_expert] + torch.arange(
+        order.numel(), device=flat.device)
+    x = hidden.new_zeros((N * K + E * (tile - 1), H))  # static: the most the padded groups take
+    x.index_copy_(0, row, hidden[order // K])
+    offs = ends.to(torch.int32)
+    gate, up = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    out = torch._grouped_mm(act(gate) * up, down.transpose(1, 2), offs=offs)
+    GEMM_CALLS[0] += 2
     # Back to (token, slot), weighted, then summed per token in ascending expert order.
-    weighted = torch.empty((N * K, H), dtype=hidden.dtype, device=hidden.device)
-    weighted[order] = out[row] * top_k_weights.reshape(-1)[order, None].to(out.dtype)
-    weighted = weighted.view(N, K, H)
+    slot_row = torch.empty_like(row).index_copy_(0, order, row)
+    weighted = (out[slot_row] * top_k_weights.reshape(-1, 1).to(out.dtype)).view(N, K, H)
     by_expert = torch.argsort(top_k_index, dim=1, stable=True)
-    final = torch.zeros_like(hidden)
-    for k in range(K):
-        final += torch.gather(weighted, 1, by_expert[:, k, None, None].expand(N, 1, H))[:, 0]
-    return final
+    return torch.gather(weighted, 1, by_expert[:, :, None].expand(N, K, H)).sum(1)
 
 
 @contextmanager
 def fast_experts(on: bool):
-    """``on`` (fast mode): the batch-invariant tiled experts, a lone row included; else HF's own."""
+    """``on`` (fast mode): the batch-invariant grouped experts, a lone row included; else HF's own."""
     token = FAST_EXPERTS.set(on)
     try:
         yield

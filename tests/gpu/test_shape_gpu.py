@@ -5,7 +5,7 @@
 - fast: batch-invariant (a sequence's tokens do not depend on its batch mates);
 - memory: peak device memory grows by <= 1 GiB per row, and nothing stays behind (beyond the
   fast mode's KV page pool, reserved once);
-- the fast mode's tiled experts are batch-invariant with cuBLAS too.
+- the fast mode's grouped experts (torch._grouped_mm) are batch-invariant on the device too.
 Run on a lent device: ``python -m pytest tests/gpu -q -rs -s`` (prints the memory figures).
 """
 
@@ -119,28 +119,31 @@ def test_memory_per_row_on_gpu(adapter, prompts, sampler):
 
 
 @pytest.mark.parametrize("hidden,inter,experts,top_k", [(128, 64, 128, 8), (2816, 704, 8, 4)])
-def test_tiled_experts_are_batch_invariant_on_gpu(hidden, inter, experts, top_k):
-    """A bmm over n tiles gives each tile the same bits whatever n (cuBLAS may pick its algorithm
-    by batch count: checked here), and the result stays close to HF's experts."""
-    from diffusion_plugin.families.diffusiongemma_moe import tiled_experts
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_experts_are_batch_invariant_on_gpu(hidden, inter, experts, top_k, dtype):
+    """``torch._grouped_mm`` gives each group's rows the same bits whatever the other groups and
+    its own row count (bf16: CUTLASS's grouped kernel on sm90+; float32: torch's per-group
+    fallback), and the result stays close to HF's experts."""
+    from diffusion_plugin.families.diffusiongemma_moe import grouped_experts
     from tests.experts_cases import experts_case as _experts_case
     from tests.experts_cases import routed_tokens as _tokens
 
-    module = _experts_case(hidden, inter, experts, top_k).to(DEVICE)
+    module = _experts_case(hidden, inter, experts, top_k).to(DEVICE, dtype)
     args = (module.gate_up_proj, module.down_proj, module.act_fn)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    on = lambda ts: [ts[0].to(DEVICE, dtype), ts[1].to(DEVICE), ts[2].to(DEVICE, dtype)]  # noqa: E731
     with torch.no_grad():
         for seed in range(3):
-            row = [t.to(DEVICE) for t in _tokens(256, hidden, experts, top_k, seed)]
-            alone = tiled_experts(*args, *row)
+            row = on(_tokens(256, hidden, experts, top_k, seed))
+            alone = grouped_experts(*args, *row)
             hf = module(*row)
-            assert torch.allclose(alone, hf, rtol=1e-4, atol=1e-4 * float(hf.abs().max()))
-            for mates in ([100], [256] * 3, [5] + [256] * 15):
-                rows = [[t.to(DEVICE) for t in _tokens(n, hidden, experts, top_k, 100 * seed + j)]
-                        for j, n in enumerate(mates)]
+            assert torch.allclose(alone.float(), hf.float(), rtol=tol, atol=tol * float(hf.abs().max()))
+            for mates in ([1], [100], [256] * 3, [5] + [256] * 15):
+                rows = [on(_tokens(n, hidden, experts, top_k, 100 * seed + j)) for j, n in enumerate(mates)]
                 rows.insert(1, row)
-                out = tiled_experts(*args, *(torch.cat(parts) for parts in zip(*rows, strict=True)))
+                out = grouped_experts(*args, *(torch.cat(parts) for parts in zip(*rows, strict=True)))
                 first = rows[0][0].shape[0]
-                assert torch.equal(out[first:first + 256], alone), f"seed {seed}, mates {mates}"
+                assert torch.equal(out[first:first + 256], alone), f"seed {seed}, mates {mates}, {dtype}"
 
 
 def test_prefix_cache_hits_equal_their_misses_on_gpu(adapter):
