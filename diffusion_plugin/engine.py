@@ -34,7 +34,7 @@ from diffusion_plugin.parsing import Parsers
 from diffusion_plugin.request import SeqStatus
 from diffusion_plugin.scheduler import Scheduler
 from diffusion_plugin.spans import SeqSpans
-from diffusion_plugin.structured import Structured, resolve, wanted, warm_structured
+from diffusion_plugin.structured import Structured, bind, resolve, wanted, warm_structured
 from diffusion_plugin.token_text import TextOffsets, token_string
 from diffusion_plugin.vllm_names import RequestHistograms, vllm_exposition
 from tandem_core import tracing
@@ -79,13 +79,16 @@ class DiffusionEngine:
         # The fast mode's KV pool is sized for the budget the scheduler admits against (on a
         # device: its planned pages per layer group).
         runner = Runner(adapter, self.sampler, chunk_rows=self._chunk_rows(), kv_budget_bytes=memory.budget_bytes,
-                        kv_groups=memory.groups, prefix_cache=self.args.prefix_cache)
+                        kv_groups=memory.groups, prefix_cache=self.args.prefix_cache,
+                        compiled_vocab=self.args.use_compiled_vocab)
         # vLLM's request models and xgrammar (structured outputs) take seconds to import: at
         # start, not in the first constrained request's time.
         await asyncio.to_thread(warm_structured)
-        logger.info("%s: diffusion engine on %s, dtype %s, sampler %s, boundaries %s, max_batch %d; memory budget "
+        await asyncio.to_thread(runner.warm)  # (compiled_vocab: its kernel)
+        logger.info("%s: diffusion engine on %s, dtype %s, sampler %s%s, boundaries %s, max_batch %d; memory budget "
                     "%.2f GiB (KV page pool %.2f GiB%s); one device per replica (no tensor or pipeline parallelism)",
                     self.model, self.device, str(adapter.model.dtype).removeprefix("torch."), self.sampler,
+                    " (compiled vocabulary pass)" if self.args.use_compiled_vocab else "",
                     self.args.boundaries, self.max_batch, memory.budget_bytes / GIB, memory.pool_bytes / GIB,
                     "" if memory.groups else ": committed as written")
         return self.start_with(adapter, runner, memory)
@@ -159,13 +162,7 @@ class DiffusionEngine:
                 req = P.parse(P.CompletionBody, body)
                 structured, grammar = await self.constraint(body, "completions")
                 sreq = await self.intake.completion(req)
-            sreq.grammar = grammar
-            if grammar is not None:
-                clash = next((f for f in ("seed_canvas", "min_tokens") if sreq.sampling.get(f)), None)
-                if clash is not None:
-                    param = "diffusion.seed_canvas" if clash == "seed_canvas" else clash
-                    raise invalid(f"{param}: not served with a structured output on diffusion models (the "
-                                  f"grammar decides every token)", param=param)
+            bind(sreq, grammar)
         except TandemError as e:
             yield e
             return

@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from diffusion_plugin import params as P
 from diffusion_plugin.chunks import Delta, End, Preview
-from diffusion_plugin.structured import ToolCallStream, tool_calls_from_text
+from diffusion_plugin.structured import ToolCallStream, bind, tool_calls_from_text
 from tandem_core.errors import TandemError, invalid
 
 
@@ -169,7 +169,7 @@ async def serve_responses(engine, body: dict, request_id: str) -> AsyncIterator:
         tools = chat_tools(req.tools)
         structured, grammar = await engine.constraint(body, "responses")
         sreq = await engine.intake.responses(req, to_messages(req), tools)
-        sreq.grammar = grammar
+        bind(sreq, grammar)
         parsing = await engine.parsing(body, "responses", structured, sreq)
     except TandemError as e:
         yield e

@@ -50,7 +50,7 @@ _INIT, _SAMPLE, _RENOISE, _GRAMMAR = 1, 2, 3, 4
 class Runner:
     def __init__(self, adapter, sampler: str = "exact", chunk_rows: int = 1, kv_budget_bytes: int | None = None,
                  kv_groups: tuple[memory.KVGroup, ...] = (), prefix_cache: bool = False,
-                 rowwise: bool = False):
+                 rowwise: bool = False, compiled_vocab: bool = False):
         """Fast mode's KV pool, one ``torch.empty`` per layer: ``kv_groups`` (``memory.plan_pool``,
         the plan the scheduler admits against: a device) gives its pages per layer group.
         Otherwise ``kv_budget_bytes``, the memory budget, sizes it (default: the budget the engine
@@ -72,11 +72,9 @@ class Runner:
         self.cached: dict[str, int] = {}  # this step's admitted sequences: prompt tokens found cached
         self.prefix_queries = self.prefix_hits = 0  # since start (a pool reset keeps them: counters)
         self._views = FastViews()  # fast mode only
-        # Fast mode's batched passes (the trunk, commits) use batch-invariant GEMMs (``gemm``).
-        # ``rowwise``: each row through them alone instead (slower; for measurements).
-        self.rowwise = bool(rowwise)
+        self.rowwise = bool(rowwise)  # each row alone through the fast passes (slower; measurements)
         self._row_views: dict[str, FastViews] = {}
-        self._scratch = vocab.Scratch()  # fast mode only: two (chunk_rows, C, V) buffers, reused
+        self._scratch = vocab.Scratch(compiled_vocab and sampler == "fast")  # fast mode: buffers, reused
 
     def admit(self, seq: Sequence) -> None:
         gen = torch.Generator(device=self.adapter.device).manual_seed(seq.params.seed)
@@ -160,6 +158,10 @@ class Runner:
             return True
         self.pool.reset_cache()
         return not any(self.pool.cache.key_of)  # what is still registered is held by a sequence
+
+    def warm(self) -> None:
+        """Compiles what fast mode compiles (``compiled_vocab``) now, not in a request's step."""
+        self._scratch.warm(self.adapter.model, self.adapter.canvas_length, self.adapter.device)
 
     def held_bytes(self) -> int:
         """Bytes held by sequences between steps beyond their KV caches (for measurements)."""

@@ -20,6 +20,7 @@ does not grow with the batch.
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
@@ -28,6 +29,7 @@ from diffusion_plugin import filters
 from diffusion_plugin.attention import MIN_EXPONENT, TINY_EXP
 from diffusion_plugin.request import SamplingParams, Score
 
+logger = logging.getLogger(__name__)
 CDF_BLOCK = 512  # the inverse CDF finds a block of this many ids first, then the id inside it
 
 
@@ -198,10 +200,25 @@ def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor, length: int, strea
 class Scratch:
     """Two reusable (rows, C, V) float32 buffers for ``fast_chunk``: a fresh 256 MiB tensor per
     op costs its page faults every time (~0.1 s on one CPU core, as much as the op itself).
-    Fixed memory (two canvas x vocab units per row in flight), not per sequence."""
+    Fixed memory (two canvas x vocab units per row in flight), not per sequence.
 
-    def __init__(self):
+    ``compiled``: the vocabulary pass's elementwise math as one inductor kernel per row
+    (``_vocab_math`` under ``torch.compile``), where a chunk has no filter and no grammar."""
+
+    def __init__(self, compiled: bool = False):
         self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fused = _compiled_math() if compiled else None
+
+    def warm(self, model, canvas: int, device) -> None:
+        """Compiles the fused pass now (at engine start), not in the first request's step."""
+        if self.fused is not None:
+            x, e = self.get((1, canvas, model.lm_head.weight.shape[0]), device)
+            x.zero_()
+            try:
+                self.fused(x, e, torch.ones(1, device=device), float(model.final_logit_softcapping))
+            except Exception:  # noqa: BLE001 - as in fast_chunk: the eager passes serve
+                logger.exception("the compiled vocabulary pass failed; the eager passes serve from now on")
+                self.fused = None
 
     def get(self, shape: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._bufs is None or self._bufs[0].shape[1:] != shape[1:] or self._bufs[0].shape[0] < shape[0]:
@@ -222,16 +239,21 @@ def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.
     None or (params, produced) for ``filters.prepare``/``cut`` (a refused token gets no mass);
     ``pins``: per row None or its ``Pins``, whose ``Score``s come back as a sixth result."""
     cap = model.final_logit_softcapping
-    embed = model.model.decoder.embed_tokens
     weight = model.lm_head.weight
     R, C, _ = hidden.shape
     x, e = scratch.get((R, C, weight.shape[0]), hidden.device)
-    if weight.dtype == torch.float32:
-        torch.matmul(hidden, weight.t(), out=x)  # lm_head
-    else:
-        x.copy_(torch.matmul(hidden, weight.t()))
-    x.div_(cap).tanh_().mul_((cap * inv_t).to(x.dtype)[:, None, None])  # softcap, then / temperature
+    _head(hidden, weight, x)
     filtered = [(b, f) for b, f in enumerate(filtered or []) if f is not None]
+    if scratch.fused is not None and not filtered and not any(g is not None for g in grammars or []):
+        try:  # one row at a time: the same kernel and shape whatever the batch
+            parts = [scratch.fused(x[b:b + 1], e[b:b + 1], inv_t[b:b + 1], cap) for b in range(R)]
+            total, argmax, entropy = (torch.cat(xs) for xs in zip(*parts, strict=True))
+            return _finish(model, x, e, total, argmax, entropy, uniform, weight, hidden, ks, pins, [], {}, R)
+        except Exception:  # noqa: BLE001 - no C++ compiler, an inductor failure: the eager passes serve
+            logger.exception("the compiled vocabulary pass failed; the eager passes serve from now on")
+            scratch.fused = None
+            _head(hidden, weight, x)
+    x.div_(cap).tanh_().mul_((cap * inv_t).to(x.dtype)[:, None, None])  # softcap, then / temperature
     for b, (params, produced) in filtered:
         filters.prepare(x[b], params, produced, 1.0 / float(inv_t[b]))
     drafts = {b: _fast_draft(g, x[b], e[b], uniform[b], uniform2[b])
@@ -252,6 +274,22 @@ def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.
     for b, (params, produced) in filtered:  # a refused token: no mass, so never drawn
         filters.cut(x[b], e[b], params, produced)
     total = e.sum(-1)
+    return _finish(model, x, e, total, argmax, None, uniform, weight, hidden, ks, pins, filtered, drafts, R)
+
+
+def _head(hidden: torch.Tensor, weight: torch.Tensor, x: torch.Tensor) -> None:
+    """The lm_head's logits into ``x``."""
+    if weight.dtype == torch.float32:
+        torch.matmul(hidden, weight.t(), out=x)
+    else:
+        x.copy_(torch.matmul(hidden, weight.t()))
+
+
+def _finish(model, x, e, total, argmax, entropy, uniform, weight, hidden, ks, pins, filtered, drafts, R):
+    """``fast_chunk``'s second half, from the exponents ``e`` of the shifted logits ``x`` and
+    their sums: the soft embedding, the draw, top logprobs, pinned scores, the entropy (if not
+    given) and the grammar's canvases."""
+    embed = model.model.decoder.embed_tokens
     soft = torch.matmul(e.to(weight.dtype), embed.weight) / total[..., None].to(weight.dtype)
     soft = soft * embed.embed_scale.to(hidden.dtype)
     sampled = _inverse_cdf(e, uniform)
@@ -261,12 +299,38 @@ def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.
             values, ids = tops[b]
             tops[b] = (values.masked_fill(e[b].gather(-1, ids) == 0, float("-inf")), ids)
     scores = [None if q is None else pin_scores(x[b], torch.log(total[b]), q) for b, q in enumerate(pins or [None] * R)]
-    # Entropy of softmax(x): log S - sum(e * x) / S (x shifted by its max, so S >= 1).
-    entropy = torch.log(total) - x.mul_(e).sum(-1) / total
+    if entropy is None:  # of softmax(x): log S - sum(e * x) / S (x shifted by its max, so S >= 1)
+        entropy = torch.log(total) - x.mul_(e).sum(-1) / total
     for b, (a, s) in drafts.items():
         argmax[b] = torch.tensor(a, dtype=argmax.dtype, device=argmax.device)
         sampled[b] = torch.tensor(s, dtype=sampled.dtype, device=sampled.device)
     return sampled, argmax, entropy, soft, tops, scores
+
+
+def _vocab_math(x: torch.Tensor, e: torch.Tensor, inv_t: torch.Tensor, cap: float):
+    """The eager passes of ``fast_chunk`` as one function of a row's head logits ``x`` (1, C, V):
+    softcap and temperature, the max, ``x`` shifted by it (clamped), its exponents into ``e``
+    (zero at or below ``TINY_EXP``), their sum and the entropy. ``x`` and ``e`` are written in place.
+    The softcap's tanh(u) is taken as 1 - 2 / (exp(2u) + 1): within 1.4e-7 of tanh (a logit moves
+    by at most 30 x that), and a third of its CPU here (tanh alone was 0.17 s of a canvas x
+    vocabulary, exp 0.06); exp's overflow at |u| > 44 gives the limits +-1 exactly."""
+    y = (1 - 2 / (torch.exp(x * (2 / cap)) + 1)) * (cap * inv_t)[:, None, None]
+    top, argmax = y.max(dim=-1)
+    z = (y - top[..., None]).clamp(min=MIN_EXPONENT)
+    exps = torch.exp(z)
+    exps = torch.where(exps <= TINY_EXP, torch.zeros_like(exps), exps)
+    total = exps.sum(-1)
+    entropy = torch.log(total) - (z * exps).sum(-1) / total
+    e.copy_(exps)
+    x.copy_(z)
+    return total, argmax, entropy
+
+
+def _compiled_math():
+    """``_vocab_math`` under inductor (compiled at its first call, a few seconds per shape): its
+    passes fused into C++ loops over the canvas x vocabulary (``python -m tandem_tools.bench_vocab``
+    measures it against the eager passes and the two GEMMs)."""
+    return torch.compile(_vocab_math, dynamic=False)
 
 
 def _fast_draft(grammar, x: torch.Tensor, e: torch.Tensor, uniform: torch.Tensor,

@@ -140,6 +140,30 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(stack):
     assert c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, extra_body=FAST).choices  # serving on
 
 
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_seed_canvas_with_a_structured_output_is_refused_on_every_route(stack, stream):
+    """The grammar decides every token, so a seed canvas cannot be served with one: one rule for
+    chat, completions and Responses, streamed or not."""
+    c = stack.client()
+    seeded = {"diffusion": {"seed_canvas": "{", "max_denoising_steps": 4}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[0]}}
+    calls = [
+        lambda: c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8, response_format=fmt,
+                                          extra_body=seeded, stream=stream),
+        lambda: c.completions.create(model=MODEL, prompt="A user:", max_tokens=8, stream=stream,
+                                     extra_body={**seeded, "response_format": fmt}),
+        lambda: c.responses.create(model=MODEL, input="A user:", max_output_tokens=8, stream=stream,
+                                   text={"format": {"type": "json_schema", "name": "s", "schema": SCHEMAS[0]}},
+                                   extra_body=seeded),
+    ]
+    for call in calls:
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["param"] == "diffusion.seed_canvas", e.value.body
+    assert c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, extra_body=FAST).choices  # serving on
+
+
 # -- the Responses API ------------------------------------------------------------------------------
 
 RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]

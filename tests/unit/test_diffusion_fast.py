@@ -27,10 +27,12 @@ def adapter():
 
 
 def _run(adapter, arrivals, sampler="fast", max_batch=4, steps=16, row_boundaries=False, max_tokens=70,
-         on_step=None, rowwise=False):
+         on_step=None, rowwise=False, compiled=False):
     params = {**adapter.defaults(), "max_denoising_steps": steps}
     sched = Scheduler(max_batch=max_batch, canvas_length=adapter.canvas_length, row_boundaries=row_boundaries)
-    runner, seqs, calls, widths, step = Runner(adapter, sampler, kv_budget_bytes=64 << 20, rowwise=rowwise), {}, [], [], 0
+    runner = Runner(adapter, sampler, kv_budget_bytes=64 << 20, rowwise=rowwise, compiled_vocab=compiled,
+                    chunk_rows=3 if compiled else 1)  # (compiled: chunks of 3 rows and of 1)
+    seqs, calls, widths, step = {}, [], [], 0
     while step <= max(arrivals) or sched.has_work():
         for i in arrivals.get(step, []):
             seq = Sequence(seq_id=f"s{i}", prompt_ids=PROMPTS[i], params=SamplingParams(
@@ -85,6 +87,45 @@ def test_fast_mode_makes_one_attention_call_per_layer_per_step(adapter):
     assert calls == [w * layers for w in widths]
     _, calls, widths = _run(adapter, {0: [0, 1, 2, 3]}, sampler="exact", steps=2)
     assert calls == [w * layers for w in widths]  # exact mode: one kernel per row and layer
+
+
+def test_the_compiled_vocabulary_pass_is_batch_invariant(adapter):
+    """``compiled_vocab``: one inductor kernel per row, so a row's tokens are the same alone and
+    among batch mates (chunks of 3 rows and of 1), and the rows differ."""
+    together, _, widths = _run(adapter, ARRIVALS, compiled=True)
+    assert max(widths) == 4
+    for i in range(6):
+        alone, _, _ = _run(adapter, {0: [i]}, compiled=True)
+        assert alone[f"s{i}"] == together[f"s{i}"], f"row {i} depends on its batch mates"
+    assert len({tuple(v) for v in together.values()}) == 6
+
+
+def test_the_compiled_vocabulary_pass_matches_the_eager_one(adapter, caplog):
+    """The same math as the eager passes (their exp and tanh round differently in the last bits),
+    and a compiled pass that fails hands over to the eager passes for good, with a log line."""
+    from diffusion_plugin.families import diffusiongemma_vocab as vocab
+
+    model, C, H = adapter.model, adapter.canvas_length, adapter.model.lm_head.weight.shape[1]
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, C, H, generator=g) * 4
+    inv_t, uniform = torch.tensor([1.0, 1 / 0.4, 1 / 0.8]), torch.rand(3, C, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        eager = vocab.fast_chunk(model, hidden, inv_t, uniform, vocab.Scratch())
+        compiled = vocab.fast_chunk(model, hidden, inv_t, uniform, vocab.Scratch(compiled=True), ks=[2, None, None])
+        for name, a, b in zip(("sampled", "argmax"), eager[:2], compiled[:2], strict=True):
+            assert float((a == b).float().mean()) >= 0.99, name
+        assert torch.allclose(eager[2], compiled[2], atol=1e-4) and torch.allclose(eager[3], compiled[3], rtol=1e-4,
+                                                                                    atol=1e-4)
+        assert compiled[4][0] is not None and compiled[4][0][1].shape == (C, 2)  # top logprobs still served
+        broken = vocab.Scratch(compiled=True)
+
+        def fail(*_):
+            raise RuntimeError("no compiler")
+
+        broken.fused = fail
+        fallback = vocab.fast_chunk(model, hidden, inv_t, uniform, broken)
+    assert broken.fused is None and "eager passes serve" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(eager[:4], fallback[:4], strict=True))
 
 
 def test_fast_draws_depend_only_on_seed_and_step(adapter):

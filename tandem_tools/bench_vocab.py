@@ -1,0 +1,143 @@
+"""`python -m tandem_tools.bench_vocab`: the fast mode's vocabulary pass at the real shape, against
+its two-GEMM limit, eager and compiled by inductor (issue 36's CPU question).
+
+One denoise step of one row on ``shape-diffusiongemma`` (canvas 256 x vocabulary 262,144, one
+torch thread as in a Ray actor, CPU time, medians of ``--rounds``):
+- **two-GEMM limit**: what no vocabulary pass can avoid, the head's GEMM (hidden -> logits) and the
+  soft embedding's (probabilities -> hidden), each (C, H) x (H, V) into reused buffers;
+- **eager**: ``diffusiongemma_vocab.fast_chunk`` as the runner calls it (the two GEMMs, softcap,
+  temperature, max, exp, mass, entropy, the inverse-CDF draw: ~12 passes over C x V);
+- **compiled**: ``fast_chunk`` with ``Scratch(compiled=True)`` (``engine_args.compiled_vocab``):
+  the elementwise passes and reductions as one ``torch.compile``d (inductor) function per row,
+  the GEMMs and the draw left as they are. Its compilation is timed apart; its outputs are
+  compared with eager's.
+
+With ``--steps`` (default 4): whole fast denoise steps of the runner (the trunk and the vocabulary
+pass) at 1 and 4 rows, eager against compiled, CPU seconds a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def measure(model_name: str = "shape-diffusiongemma", rounds: int = 5, threads: int = 1, compile_: bool = True,
+            steps: int = 0) -> dict:
+    import torch
+
+    from diffusion_plugin.families import diffusiongemma_vocab as vocab
+    from diffusion_plugin.families import load_adapter
+    from workers import tiny_models
+
+    torch.set_num_threads(threads)
+    adapter = load_adapter("diffusiongemma", str(tiny_models.build(model_name)))
+    model = adapter.model
+    C, V = adapter.canvas_length, adapter.vocab_size
+    weight, embed = model.lm_head.weight, model.model.decoder.embed_tokens
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, C, weight.shape[1], generator=g)
+    inv_t = torch.tensor([1 / 0.6])
+    uniform = torch.rand(1, C, generator=g, dtype=torch.float64)
+    scratch = vocab.Scratch()
+    x = torch.empty(1, C, V)
+    soft = torch.empty(1, C, weight.shape[1])
+
+    def limit():
+        torch.matmul(hidden, weight.t(), out=x)
+        torch.matmul(x, embed.weight, out=soft)
+
+    def eager():
+        return vocab.fast_chunk(model, hidden, inv_t, uniform, scratch)[:4]
+
+    compiled_scratch = vocab.Scratch(compiled=True) if compile_ else None
+
+    def compiled():
+        return vocab.fast_chunk(model, hidden, inv_t, uniform, compiled_scratch)[:4]
+
+    def cpu(fn) -> float:
+        t = time.process_time()
+        fn()
+        return time.process_time() - t
+
+    out = {"model": model_name, "canvas": C, "vocab": V, "hidden": weight.shape[1], "threads": threads,
+           "torch": torch.__version__}
+    cases = {"two_gemm_limit": limit, "eager": eager}
+    if compiled_scratch is not None:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            compiled_scratch.warm(model, C, hidden.device)
+        out["compile_s"] = round(time.perf_counter() - t, 1)
+        cases["compiled"] = compiled
+        with torch.inference_mode():
+            a, b = eager(), compiled()
+        out["compiled_vs_eager"] = {
+            "argmax_equal": bool(torch.equal(a[1], b[1])),
+            "sampled_equal_share": float((a[0] == b[0]).float().mean()),
+            "entropy_max_abs_diff": float((a[2] - b[2]).abs().max()),
+            "soft_max_rel_diff": float((a[3] - b[3]).abs().max() / a[3].abs().max()),
+        }
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(rounds):  # interleaved
+        for name, fn in cases.items():
+            with torch.inference_mode():
+                times[name].append(cpu(fn))
+    out["cpu_s"] = {k: round(statistics.median(v), 4) for k, v in times.items()}
+    base = out["cpu_s"]["two_gemm_limit"]
+    out["x_limit"] = {k: round(v / base, 2) for k, v in out["cpu_s"].items()}
+    if steps:
+        out["step_cpu_s"] = {}
+        for rows in (1, 4):
+            runs: dict[str, list[float]] = {"eager": [], "compiled": []}
+            for _ in range(2):  # interleaved: eager, compiled, eager, compiled
+                for mode, got in runs.items():
+                    got.append(step_cpu(adapter, rows, mode == "compiled", steps))
+            out["step_cpu_s"][f"{rows} row(s)"] = {m: round(statistics.median(v), 3) for m, v in runs.items()}
+    return out
+
+
+def step_cpu(adapter, rows: int, compiled: bool, steps: int) -> float:
+    """CPU seconds of one whole fast denoise step (the trunk and the vocabulary pass) of ``rows``
+    rows, the median over ``steps`` denoise-only steps."""
+    from diffusion_plugin.request import SamplingParams, Sequence
+    from diffusion_plugin.runner import Runner
+    from diffusion_plugin.scheduler import Scheduler
+
+    sched = Scheduler(max_batch=rows, canvas_length=adapter.canvas_length)
+    runner, seqs, times = Runner(adapter, "fast", kv_budget_bytes=1 << 30, compiled_vocab=compiled), {}, []
+    runner.warm()
+    params = {**adapter.defaults(), "max_denoising_steps": 64}
+    for i in range(rows):
+        seq = Sequence(seq_id=f"s{i}", prompt_ids=[(7 * i + j) % 1000 + 3 for j in range(16 + 8 * i)],
+                       params=SamplingParams(max_tokens=4096, seed=i, eos_token_ids=(), **params))
+        seqs[seq.seq_id] = seq
+        sched.add(seq)
+    while len(times) < steps:
+        batch, _ = sched.schedule()
+        t = time.process_time()
+        out = runner.execute(batch, seqs)
+        if not batch.encode and len(batch.denoise) == rows:
+            times.append(time.process_time() - t)
+        sched.update(out)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tandem_tools.bench_vocab", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="shape-diffusiongemma")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as in a Ray actor)")
+    p.add_argument("--no-compile", action="store_true", help="eager and the limit only")
+    p.add_argument("--steps", type=int, default=4, help="also time whole denoise steps of the runner, eager vs "
+                   "compiled, at 1 and 4 rows: the median of this many steps, two runs each (0: skip)")
+    args = p.parse_args(argv)
+    result = measure(args.model, args.rounds, args.threads, not args.no_compile, 0 if args.no_compile else args.steps)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
