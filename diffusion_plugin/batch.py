@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass
@@ -37,3 +38,12 @@ class StepOutput:
     forward_s: float = 0.0  # time inside model forwards (encoder + decoder)
     cached: dict[str, int] = field(default_factory=dict)  # admitted sequences' prompt tokens found cached
     step_s: float = 0.0  # the whole execute() call
+
+
+class Pins(NamedTuple):
+    """A row's pinned canvas positions and their tokens (``request.BlockPlan``); ``k``: the top
+    logprobs its ``Score``s carry."""
+
+    positions: list[int]
+    tokens: list[int]
+    k: int

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffusion_plugin.families.diffusiongemma_vocab import Pins
+from diffusion_plugin.batch import Pins
 from diffusion_plugin.request import BlockPlan, SamplingParams, Sequence
 
 

@@ -32,10 +32,9 @@ import torch
 
 from diffusion_plugin import gemm, memory
 from diffusion_plugin.attention import FAST
-from diffusion_plugin.batch import RowOutput, StepBatch, StepOutput
-from diffusion_plugin.families import diffusiongemma_moe as moe
-from diffusion_plugin.families import diffusiongemma_vocab as vocab
-from diffusion_plugin.families.diffusiongemma_vocab import Pins
+from diffusion_plugin.batch import Pins, RowOutput, StepBatch, StepOutput
+from diffusion_plugin.draws import hash_draws, hash_uniform
+from diffusion_plugin.family import Family
 from diffusion_plugin.kv_view import FastViews, KVPool, free_bytes, release
 from diffusion_plugin.memory import PAGE_TOKENS
 from diffusion_plugin.prefix_cache import chunks, page_keys
@@ -48,7 +47,7 @@ _INIT, _SAMPLE, _RENOISE, _GRAMMAR = 1, 2, 3, 4
 
 
 class Runner:
-    def __init__(self, adapter, sampler: str = "exact", chunk_rows: int = 1, kv_budget_bytes: int | None = None,
+    def __init__(self, adapter: Family, sampler: str = "exact", chunk_rows: int = 1, kv_budget_bytes: int | None = None,
                  kv_groups: tuple[memory.KVGroup, ...] = (), prefix_cache: bool = False,
                  rowwise: bool = False, compiled_vocab: bool = False):
         """Fast mode's KV pool, one ``torch.empty`` per layer: ``kv_groups`` (``memory.plan_pool``,
@@ -74,7 +73,7 @@ class Runner:
         self._views = FastViews()  # fast mode only
         self.rowwise = bool(rowwise)  # each row alone through the fast passes (slower; measurements)
         self._row_views: dict[str, FastViews] = {}
-        self._scratch = vocab.Scratch(compiled_vocab and sampler == "fast")  # fast mode: buffers, reused
+        self._scratch = adapter.vocab_scratch(compiled_vocab and sampler == "fast")  # fast mode's, reused
 
     def admit(self, seq: Sequence) -> None:
         gen = torch.Generator(device=self.adapter.device).manual_seed(seq.params.seed)
@@ -130,7 +129,7 @@ class Runner:
 
     def _kv_pool(self) -> KVPool:
         if self.pool is None:
-            self.pool = KVPool(self.adapter.kv_layout(), self.kv_pages(), self.adapter.model.dtype, self.adapter.device)
+            self.pool = KVPool(self.adapter.kv_layout(), self.kv_pages(), self.adapter.dtype, self.adapter.device)
         return self.pool
 
     def kv_pages(self) -> int | list[int]:
@@ -161,7 +160,7 @@ class Runner:
 
     def warm(self) -> None:
         """Compiles what fast mode compiles (``compiled_vocab``) now, not in a request's step."""
-        self._scratch.warm(self.adapter.model, self.adapter.canvas_length, self.adapter.device)
+        self.adapter.warm_vocab(self._scratch)
 
     def held_bytes(self) -> int:
         """Bytes held by sequences between steps beyond their KV caches (for measurements)."""
@@ -199,14 +198,14 @@ class Runner:
                       [[r] for r in rest if r.pending.shape[1] != C])
             for row in chunked:  # the prompt in page-aligned chunks, each whole page kept
                 for a, b in chunks(row.cur_len, row.cur_len + row.pending.shape[1]):
-                    with moe.fast_experts(self.sampler == "fast"):
+                    with self.adapter.fast_experts(self.sampler == "fast"):
                         self.adapter.encode([row.cache], [row.pending[:, a - row.cur_len:b - row.cur_len]], [a])
                     if b % PAGE_TOKENS == 0:
                         self._register(row, b // PAGE_TOKENS - 1)
             for group in groups:
                 images = [r.images for r in group]
                 canvas = C if self.sampler == "fast" and group[0].pending.shape[1] == C else 0
-                with moe.fast_experts(self.sampler == "fast"), gemm.rows(canvas):
+                with self.adapter.fast_experts(self.sampler == "fast"), gemm.rows(canvas):
                     self.adapter.encode([r.cache for r in group], [r.pending for r in group],
                                         [r.cur_len for r in group],
                                         images if any(i is not None for i in images) else None)
@@ -260,7 +259,7 @@ class Runner:
         token = FAST.set(spec)
         try:
             fast = self.sampler == "fast"
-            with moe.fast_experts(fast), gemm.rows(self.adapter.canvas_length if fast else 0):
+            with self.adapter.fast_experts(fast), gemm.rows(self.adapter.canvas_length if fast else 0):
                 return self.adapter.decode_hidden(canvas, view, positions, soft)
         finally:
             FAST.reset(token)
@@ -325,11 +324,8 @@ class Runner:
     def _exact(self, rows, hidden, steps_left):
         """Per row, HF's shapes and ops, each row's draws from its own generator in HF's order
         (multinomial noise, then renoise). Exact mode only: bit-exactness needs (1, C, V)."""
-        parts = [vocab.exact_row(self.adapter.model, hidden[b:b + 1], r.bp, steps_left[b], r.generator,
-                                 len(r.seq.output_ids), r.pins)
-                 if r.constrained is None else
-                 vocab.exact_row_constrained(self.adapter.model, hidden[b:b + 1], r.bp, steps_left[b],
-                                             r.generator, r.grammar, len(r.seq.output_ids))
+        parts = [self.adapter.vocab_exact(hidden[b:b + 1], r.bp, steps_left[b], r.generator, len(r.seq.output_ids),
+                                          r.pins, None if r.constrained is None else r.grammar)
                  for b, r in enumerate(rows)]
         return (*(torch.cat(xs) for xs in zip(*(x[:5] for x in parts), strict=True)), [x[5] for x in parts],
                 [x[6] for x in parts])
@@ -340,18 +336,19 @@ class Runner:
         inv_t = torch.tensor([1.0 / _temperature(r.bp, s) for r, s in zip(rows, steps_left, strict=True)],
                              dtype=torch.float32, device=hidden.device)
         C = self.adapter.canvas_length
-        uniform = vocab.hash_uniform(seeds, counters, C, _SAMPLE)
-        renoise = vocab.hash_draws(seeds, counters, C, _RENOISE) % V
+        uniform = hash_uniform(seeds, counters, C, _SAMPLE)
+        renoise = hash_draws(seeds, counters, C, _RENOISE) % V
         k = self.chunk_rows
         ks = [r.bp.logprobs for r in rows]
         grammars = [r.constrained for r in rows]
         filtered = [(r.bp, len(r.seq.output_ids)) if r.bp.filtered(len(r.seq.output_ids)) else None for r in rows]
         pins = [r.pins for r in rows]
-        uniform2 = vocab.hash_uniform(seeds, counters, C, _GRAMMAR) if any(g is not None for g in grammars) else None
-        parts = [vocab.fast_chunk(self.adapter.model, hidden[i:i + k], inv_t[i:i + k], uniform[i:i + k], self._scratch,
-                                  ks[i:i + k] if any(x is not None for x in ks[i:i + k]) else None,
-                                  grammars[i:i + k] if any(g is not None for g in grammars[i:i + k]) else None,
-                                  None if uniform2 is None else uniform2[i:i + k], filtered[i:i + k], pins[i:i + k])
+        uniform2 = hash_uniform(seeds, counters, C, _GRAMMAR) if any(g is not None for g in grammars) else None
+        parts = [self.adapter.vocab_fast(hidden[i:i + k], inv_t[i:i + k], uniform[i:i + k], self._scratch,
+                                         ks[i:i + k] if any(x is not None for x in ks[i:i + k]) else None,
+                                         grammars[i:i + k] if any(g is not None for g in grammars[i:i + k]) else None,
+                                         None if uniform2 is None else uniform2[i:i + k], filtered[i:i + k],
+                                         pins[i:i + k])
                  for i in range(0, len(rows), k)]
         sampled, argmax, entropy, soft = (torch.cat(xs) for xs in zip(*(x[:4] for x in parts), strict=True))
         return (sampled, argmax, entropy, renoise, soft, [t for x in parts for t in x[4]],
@@ -384,12 +381,12 @@ class Runner:
         if row.plan.scoring:  # noise that depends on nothing but the position (same read for any seed)
             seeds = torch.tensor([SCORE_SEED], dtype=torch.int64, device=self.adapter.device)
             counters = torch.zeros(1, dtype=torch.int64, device=self.adapter.device)
-            canvas = vocab.hash_draws(seeds, counters, C, _INIT) % self.adapter.vocab_size
+            canvas = hash_draws(seeds, counters, C, _INIT) % self.adapter.vocab_size
         elif self.sampler == "exact":
             canvas = self.adapter.init_canvas(row.generator)
         else:
             seeds, counters = self._counters([row])
-            canvas = vocab.hash_draws(seeds, counters, C, _INIT) % self.adapter.vocab_size
+            canvas = hash_draws(seeds, counters, C, _INIT) % self.adapter.vocab_size
         if row.plan.seed:
             canvas[0, :len(row.plan.seed)] = torch.tensor(row.plan.seed, dtype=canvas.dtype, device=canvas.device)
         return canvas

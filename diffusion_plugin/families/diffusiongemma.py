@@ -18,6 +18,7 @@ import torch
 from diffusion_plugin import gemm, kv_view
 from diffusion_plugin.attention import ATTN_NAME, ENCODE, EncodeCacheView, EncodeSpec, register
 from diffusion_plugin.families import diffusiongemma_moe as moe
+from diffusion_plugin.families import diffusiongemma_vocab as vocab
 from diffusion_plugin.memory import MemoryShape
 
 # The self-conditioning soft embeddings of the current decoder forward (see decode_hidden).
@@ -62,6 +63,8 @@ def _soft_embeddings(module, args):
 
 
 class DiffusionGemmaAdapter:
+    """DiffusionGemma as a ``diffusion_plugin.family.Family``."""
+
     def __init__(self, path: str, dtype: str = "float32", device: str = "cpu", num_threads: int | None = None):
         from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
 
@@ -92,6 +95,10 @@ class DiffusionGemmaAdapter:
         self.boi_token_id, self.eoi_token_id = getattr(cfg, "boi_token_id", None), getattr(cfg, "eoi_token_id", None)
         # Larger Gemma 4 models attend bidirectionally within each image in the prompt pass.
         self.vision_blocks = getattr(cfg.text_config, "use_bidirectional_attention", None) == "vision"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
 
     @property
     def has_vision(self) -> bool:
@@ -231,3 +238,26 @@ class DiffusionGemmaAdapter:
     def init_canvas(self, generator: torch.Generator) -> torch.Tensor:
         return torch.randint(low=0, high=self.vocab_size, size=(1, self.canvas_length), generator=generator,
                              device=self.device)
+
+    def fast_experts(self, on: bool):
+        """A context in which the MoE layers run fast mode's grouped experts (``on``) or HF's."""
+        return moe.fast_experts(on)
+
+    def vocab_scratch(self, compiled: bool = False):
+        """Fast mode's reusable vocabulary buffers (``compiled``: its fused elementwise pass)."""
+        return vocab.Scratch(compiled)
+
+    def warm_vocab(self, scratch) -> None:
+        scratch.warm(self.model, self.canvas_length, self.device)
+
+    def vocab_fast(self, hidden: torch.Tensor, *args, **kwargs):
+        """Fast mode's vocabulary pass over a chunk of rows (``diffusiongemma_vocab.fast_chunk``)."""
+        return vocab.fast_chunk(self.model, hidden, *args, **kwargs)
+
+    def vocab_exact(self, hidden: torch.Tensor, p, steps_left: int, generator: torch.Generator, produced: int,
+                    pins=None, grammar=None):
+        """Exact mode's vocabulary pass for one row, HF's (``exact_row``; under a grammar, which
+        no pinned row has: ``exact_row_constrained``)."""
+        if grammar is None:
+            return vocab.exact_row(self.model, hidden, p, steps_left, generator, produced, pins)
+        return vocab.exact_row_constrained(self.model, hidden, p, steps_left, generator, grammar, produced)

@@ -21,12 +21,12 @@ does not grow with the batch.
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
 
 import torch
 
 from diffusion_plugin import filters
 from diffusion_plugin.attention import MIN_EXPONENT, TINY_EXP
+from diffusion_plugin.batch import Pins
 from diffusion_plugin.request import SamplingParams, Score
 
 logger = logging.getLogger(__name__)
@@ -79,15 +79,6 @@ def exact_row(model, hidden: torch.Tensor, p: SamplingParams, steps_left: int, g
     p_norm = torch.softmax(normalised, dim=-1)
     entropy = -normalised.clamp_(min=torch.finfo(normalised.dtype).min).mul_(p_norm).sum(-1)
     return sampled, argmax, entropy, renoise, soft, top, scores
-
-
-class Pins(NamedTuple):
-    """A row's pinned canvas positions and their tokens (``request.BlockPlan``); ``k``: the top
-    logprobs its ``Score``s carry."""
-
-    positions: list[int]
-    tokens: list[int]
-    k: int
 
 
 def _tops(x: torch.Tensor, k: int | None, pins: Pins | None, log_total: torch.Tensor | None = None):
@@ -174,27 +165,6 @@ def top_logprobs(x: torch.Tensor, k: int, log_total: torch.Tensor) -> tuple[torc
     values and ids, each (C, max(k, 1)): a requesting row only, read from the chunk's tensor."""
     values, ids = torch.topk(x, max(k, 1), dim=-1)
     return values - log_total[:, None], ids
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 (wrapping multiplication): a counter -> 64 random bits."""
-    x = x ^ (x >> 30) & 0x3FFFFFFFF
-    x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9 as a signed int64
-    x = x ^ (x >> 27) & 0x1FFFFFFFFF
-    x = x * -7723592293110705685  # 0x94D049BB133111EB
-    return x ^ (x >> 31) & 0x1FFFFFFFF
-
-
-def hash_draws(seeds: torch.Tensor, counters: torch.Tensor, length: int, stream: int) -> torch.Tensor:
-    """(R,) seeds and step counters -> (R, length) int64 in [0, 2**31): a pure function of each
-    row's own (seed, counter, position, stream), so a row draws the same batched or alone."""
-    pos = torch.arange(length, dtype=torch.int64, device=seeds.device)
-    key = _mix(seeds[:, None] * 1_000_003 + stream) ^ _mix(counters[:, None] * 4_099 + pos[None, :] * 65_537 + stream)
-    return (_mix(key) >> 33) & 0x7FFFFFFF
-
-
-def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor, length: int, stream: int) -> torch.Tensor:
-    return (hash_draws(seeds, counters, length, stream).to(torch.float64) + 0.5) / 2**31
 
 
 class Scratch:

@@ -129,7 +129,7 @@ def test_the_compiled_vocabulary_pass_matches_the_eager_one(adapter, caplog):
 
 
 def test_fast_draws_depend_only_on_seed_and_step(adapter):
-    from diffusion_plugin.families.diffusiongemma_vocab import hash_draws, hash_uniform
+    from diffusion_plugin.draws import hash_draws, hash_uniform
 
     seeds, counters = torch.tensor([1, 2, 1]), torch.tensor([5, 5, 5])
     d = hash_draws(seeds, counters, 8, 2)

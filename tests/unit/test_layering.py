@@ -95,6 +95,14 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
+@pytest.mark.parametrize("module", ["runner", "rows", "family", "memory", "scheduler"])
+def test_the_step_reaches_a_model_family_only_through_the_family_interface(module):
+    """``diffusion_plugin.family.Family`` is the boundary: the runner, the row state and the
+    planners import no family module (``families.ADAPTERS`` picks the implementation)."""
+    deps = imports_of(ROOT / "diffusion_plugin" / f"{module}.py")
+    assert not {d for d in deps if d.startswith("diffusion_plugin.families")}, sorted(deps)
+
+
 def test_gateway_holds_no_tool():
     names = {p.stem for p in (ROOT / "gateway").glob("*.py")}
     assert not names & {"bench", "bench_diffusion", "loadgen", "vllm_cli_shim", "cli"}, names
