@@ -87,7 +87,7 @@ class DiffusionEngine:
         await asyncio.to_thread(runner.warm)  # (compiled_vocab: its kernel)
         logger.info("%s: diffusion engine on %s, dtype %s, sampler %s%s, boundaries %s, max_batch %d; memory budget "
                     "%.2f GiB (KV page pool %.2f GiB%s); one device per replica (no tensor or pipeline parallelism)",
-                    self.model, self.device, str(adapter.model.dtype).removeprefix("torch."), self.sampler,
+                    self.model, self.device, str(adapter.dtype).removeprefix("torch."), self.sampler,
                     " (compiled vocabulary pass)" if self.args.use_compiled_vocab else "",
                     self.args.boundaries, self.max_batch, memory.budget_bytes / GIB, memory.pool_bytes / GIB,
                     "" if memory.groups else ": committed as written")

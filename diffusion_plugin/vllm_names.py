@@ -63,6 +63,9 @@ _HISTOGRAMS = (
 )
 
 
+UNBOUNDED_LEN = 1 << 20  # the token histograms' top bucket for a model without a context limit
+
+
 class RequestHistograms:
     """vLLM's per-request families on a diffusion replica, with vLLM's own bucket bounds
     (``vllm.v1.metrics.buckets``): queue (arrival to admission), prefill (admission to the first
@@ -71,10 +74,13 @@ class RequestHistograms:
     token counts; ``vllm:request_success_total`` by ``finished_reason``. Owned by the loop, which
     stamps the times; read by the engine's stats."""
 
-    def __init__(self, max_model_len: int):
+    def __init__(self, max_model_len: int | None):
+        """``max_model_len``: the model's context (the token histograms' top bucket); None (a
+        family without a position limit): ``UNBOUNDED_LEN``."""
         from vllm.v1.metrics.buckets import histogram_buckets  # (~2 s: imported once, at start)
 
-        self.bounds = {name: histogram_buckets(fam, max_model_len=max_model_len) for name, fam, _ in _HISTOGRAMS}
+        top = max_model_len or UNBOUNDED_LEN
+        self.bounds = {name: histogram_buckets(fam, max_model_len=top) for name, fam, _ in _HISTOGRAMS}
         self.buckets = {name: [0] * (len(b) + 1) for name, b in self.bounds.items()}  # the last: +Inf
         self.sums: Counter = Counter()
         self.success: Counter = Counter()
