@@ -71,7 +71,7 @@ def test_cli_exits_non_zero_on_a_bad_config(tmp_path, capsys):
         ({"sampler": "fastest"}, "models.0.engine_args.sampler", "'exact' or 'fast'"),
         ({"memory_budget_gib": -1}, "models.0.engine_args.memory_budget_gib", "greater than 0"),
         ({"max_batchh": 4}, "models.0.engine_args.max_batchh", "Extra inputs"),
-        ({"family": "nope"}, "models.0.engine_args.family", "no engine registered for 'diffusion:nope'"),
+        ({"family": "nope"}, "models.0.engine_args.family", "unknown model family 'nope'; known: diffusiongemma"),
     ],
 )
 def test_a_bad_diffusion_engine_arg_names_file_and_field(tmp_path, engine_args, field, reason):
