@@ -490,6 +490,17 @@ def levels_for(args, max_batch: int = 0) -> list[int]:
     return [1, 4, 8, 16]
 
 
+def op_counts(model_path: str, rows: str = "1,4") -> list[dict]:
+    """``tandem_tools.opcount`` on the benchmark's model, in its own process (one model in memory
+    at a time); [] if it fails (logged)."""
+    proc = subprocess.run([sys.executable, "-m", "tandem_tools.opcount", "--model", str(Path(model_path).resolve()),
+                           "--rows", rows, "--json"], capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        logger.error("opcount failed: %s", proc.stderr[-1500:])
+        return []
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
 def main(args) -> int:
     import tempfile
 
@@ -526,10 +537,14 @@ def main(args) -> int:
     print(f"\nstreaming chat, {name}, {args.max_tokens} output tokens/request, {steps}, max_batch {max_batch}, "
           f"one torch thread per engine; code {version}; {time.time() - t_start:.0f} s\n")
     print(format_table(results, levels))
+    ops = op_counts(model_path) if "fast" in samplers else []
+    for r in ops:
+        print(f"aten ops per fast denoise step (eager, counted on the host; python -m tandem_tools.opcount): "
+              f"{r['rows']} row(s): {r['ops']:,}, {r['per_layer']:,} per layer; host syncs {r['syncs'] or 'none'}")
     if args.out:
         Path(args.out).write_text(json.dumps({"model": name, "levels": levels, "max_tokens": args.max_tokens,
                                               "steps": args.steps, "max_batch": max_batch, "code": version,
-                                              "results": results},
+                                              "results": results, "aten_ops_per_step": ops},
                                              indent=1, default=str))
     return 0
 
