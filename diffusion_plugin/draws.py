@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import torch
 
+# The streams a row draws from (GRAMMAR: a constrained row's redraws, ``grammar``).
+INIT, SAMPLE, RENOISE, GRAMMAR = 1, 2, 3, 4
+
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
     """splitmix64's finaliser on int64 (wrapping multiplication): a counter -> 64 random bits."""

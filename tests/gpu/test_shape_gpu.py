@@ -108,7 +108,7 @@ def test_memory_per_row_on_gpu(adapter, prompts, sampler):
         torch.cuda.synchronize()
         peaks[rows] = torch.cuda.max_memory_allocated() - base
         pool = 0 if runner.pool is None else sum(t.numel() * t.element_size() for t in (*runner.pool.k, *runner.pool.v))
-        scratch = sum(t.numel() * t.element_size() for t in runner._scratch._bufs or ())  # fixed, reused
+        scratch = sum(t.numel() * t.element_size() for t in runner.passes.scratch._bufs or ())  # fixed, reused
         left = torch.cuda.memory_allocated() - base - pool - scratch
         assert left < 64 << 20, f"{left / 2**20:.0f} MiB still allocated after every sequence finished"
         runner = None  # its pool goes before the next run reserves one

@@ -246,7 +246,7 @@ def test_a_joining_row_copies_no_kv(adapter):
                         n = min(attention.ATTN_BLOCK, length - logical * attention.ATTN_BLOCK)
                         assert torch.equal(pool.k[i][page, :, :n], k[q, :, :n])
                         assert torch.equal(pool.v[i][page, :, :n], v[q, :, :n])
-            spec = runner._views._spec[1]
+            spec = runner.passes.views._spec[1]
             assert all(spec.layers[i].k_pages is pool.k[i] and spec.layers[i].v_pages is pool.v[i]
                        for i in range(len(pool.k)))
             seen["checked"] = True
