@@ -6,8 +6,10 @@ EXTRAS ?= cpu,test
 # Pinned versions (constraints/lock.sh, `make lock`, writes them): a fresh install resolves these.
 CONSTRAINTS ?= constraints/$(if $(findstring gpu,$(EXTRAS)),gpu,cpu).txt
 BIN    := $(VENV)/bin
+# instructor pins a jiter the newest openai cannot use: its own venv, where its test looks for it.
+INSTRUCTOR_VENV := .venv-instructor
 
-.PHONY: setup models prometheus serve test unit bench clean lock
+.PHONY: setup instructor models prometheus serve test unit bench clean lock
 
 setup: $(VENV)/.installed
 
@@ -16,6 +18,13 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	@# vllm pulls CUDA builds of these from PyPI; they break `import transformers` on CPU.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+instructor: $(INSTRUCTOR_VENV)/.installed
+
+$(INSTRUCTOR_VENV)/.installed: constraints/instructor.txt
+	$(PYTHON) -m venv $(INSTRUCTOR_VENV)
+	$(INSTRUCTOR_VENV)/bin/pip install -q -r constraints/instructor.txt
 	touch $@
 
 models: setup
@@ -28,7 +37,7 @@ serve: models
 prometheus:
 	@command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; }
 
-test: models prometheus
+test: models prometheus instructor
 	$(BIN)/ruff check tandem_core workers diffusion_plugin gateway tandem_tools tests deploy
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -43,4 +52,4 @@ lock:
 	PYTHON=$(PYTHON) constraints/lock.sh
 
 clean:
-	rm -rf $(VENV) models .pytest_cache
+	rm -rf $(VENV) $(INSTRUCTOR_VENV) models .pytest_cache
