@@ -25,6 +25,7 @@ from typing import Any
 
 from diffusion_plugin import params as P
 from diffusion_plugin.chunks import ChoiceText, Delta, End, Entry, Event, Preview, Prompt, Usage, openai_items
+from diffusion_plugin.decisions import serve as serve_decisions
 from diffusion_plugin.engine_args import DiffusionEngineArgs
 from diffusion_plugin.intake import Intake, SeqRequest
 from diffusion_plugin.loop import DiffusionLoop, EventKind
@@ -272,6 +273,12 @@ class DiffusionEngine:
         from diffusion_plugin.responses import serve_responses
 
         return serve_responses(self, body, request_id)
+
+    def decisions(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        return serve_decisions(self, body, request_id, "decisions")
+
+    def systemone(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        return serve_decisions(self, body, request_id, "systemone")
 
     async def tokenize(self, body: dict, request_id: str) -> AsyncIterator[Item]:
         try:

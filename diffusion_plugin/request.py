@@ -82,6 +82,7 @@ class BlockPlan:
     pinned: tuple[int, ...] = ()
     width: int | None = None  # tokens committed (None: the whole canvas)
     scoring: bool = False
+    reads: tuple[int, ...] = ()  # a label read: these tokens' scores at the canvas's first position
 
 
 class Score(NamedTuple):
@@ -124,12 +125,19 @@ class Sequence:
     # share nothing), and the prompt tokens its admission found cached.
     cache_salt: str | None = None
     cached_tokens: int = 0
+    # A label read (decisions, ``tandem_core.label_reads``): after the prompt, one read-only block
+    # whose canvas is noise; ``scores`` gets the log-softmax of each of these tokens at its first
+    # position, then the sequence ends (``max_tokens`` 0: nothing is committed or encoded).
+    read_ids: tuple[int, ...] = ()
 
     def score_blocks(self, canvas: int) -> int:
-        return -(-len(self.score_ids) // canvas)
+        """Blocks read before any generation: the score blocks, then a label read's block."""
+        return -(-len(self.score_ids) // canvas) + bool(self.read_ids)
 
     def plan(self, canvas: int) -> BlockPlan:
         """The plan of the block that starts now (after ``block`` committed blocks)."""
+        if self.read_ids and self.block == self.score_blocks(canvas) - 1:
+            return BlockPlan(steps=1, width=0, scoring=True, reads=self.read_ids)
         if self.block < self.score_blocks(canvas):
             tokens = tuple(self.score_ids[self.block * canvas:(self.block + 1) * canvas])
             return BlockPlan(steps=1, seed=tokens, pinned=tuple(range(len(tokens))), width=len(tokens),

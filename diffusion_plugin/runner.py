@@ -231,7 +231,9 @@ class Runner:
         else:
             row.bp = p
         row.pins = None
-        if plan.pinned:
+        if plan.reads:  # every candidate scored at the first position, which holds noise
+            row.pins = Pins([0] * len(plan.reads), list(plan.reads), 0)
+        elif plan.pinned:
             k = seq.score_k if plan.scoring else (p.logprobs or 0)
             row.pins = Pins(list(plan.pinned), [plan.seed[j] for j in plan.pinned], k)
 

@@ -102,7 +102,7 @@ class Scheduler:
 
     # -- requests in --------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        if seq.params.max_tokens == 0 and not seq.score_ids:  # echo alone: nothing to run
+        if seq.params.max_tokens == 0 and not seq.score_ids and not seq.read_ids:  # echo alone: nothing to run
             seq.status = SeqStatus.FINISHED_LENGTH
             self._done.append(Finished(seq))
             return
@@ -221,8 +221,9 @@ class Scheduler:
     def _scored(self, seq: Sequence, row) -> SeqStatus | None:
         """A score block's read: its tokens' scores recorded (not output); with ``max_tokens`` 0 the
         last one ends the sequence."""
-        width = len(seq.plan(self.canvas_length).seed)
-        seq.scores.extend(row.scores[:width])
+        plan = seq.plan(self.canvas_length)
+        width = len(plan.seed)
+        seq.scores.extend(row.scores[:len(plan.reads) or width])
         seq.block += 1
         self.stats.tokens_scored += width
         if seq.block == seq.score_blocks(self.canvas_length) and seq.params.max_tokens == 0:

@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 
 
 def error_response(err: TandemError, request: Request | None = None) -> JSONResponse:
-    """The one way an error leaves as HTTP. A 5xx names the request id (never a trace)."""
-    if err.status >= 500 and request is not None:
+    """The one way an error leaves as HTTP. A 5xx names the request id (never a trace); a 501 is
+    an answer, not a failure (worded as vLLM words it)."""
+    if err.status >= 500 and err.kind is not ErrorKind.NOT_IMPLEMENTED and request is not None:
         rid = request_id_of(request)
         err = TandemError(err.kind, f"{err.message} (request id: {rid})", err.param, err.retry_after)
     return JSONResponse(err.envelope(), status_code=err.status, headers=err.headers() or None)

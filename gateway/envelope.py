@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from gateway.intake import Intake, take_in
 from gateway.router import NO_CLAIM, Claim
 from tandem_core.errors import invalid
-from tandem_core.protocol import ROUTE_SPECS, EngineRequest
+from tandem_core.protocol import PRIORITY_ROUTES, EngineRequest
 
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, continued by the engine's spans
 
@@ -88,7 +88,7 @@ def envelope(route: str, body: dict, *, request_id: str, config, key=None, reque
         claim = claim_of(body, key, route)
     else:
         claim = Claim(priority, key.tenant_name, key.weight) if key is not None else Claim(priority)
-        if ROUTE_SPECS[route].generates:
+        if route in PRIORITY_ROUTES:
             body["priority"] = priority
     return Envelope(route, intake, request_id, request_id_from_client, key, claim, queue_deadline_s, trace)
 
@@ -108,6 +108,6 @@ def claim_of(body: dict, api_key, route: str) -> Claim:
         if api_key.min_priority is not None and priority < api_key.min_priority:
             priority = api_key.min_priority  # raised, never refused
         claim = Claim(priority, api_key.tenant_name, api_key.weight)
-    if priority != (asked or 0) and ROUTE_SPECS[route].generates:
+    if priority != (asked or 0) and route in PRIORITY_ROUTES:
         body["priority"] = priority
     return claim

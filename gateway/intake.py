@@ -115,7 +115,8 @@ def take_in(body: dict[str, Any], route: str, *, max_depth: int | None = None, g
     tokens = estimate(prompt_chars + message_chars + input_chars, prompt_ids, max_output, copies, generates)
     key = None
     if session_header is not None:
-        key = (headers.get(session_header) if headers is not None else None) or body.get("user")
+        key = ((headers.get(session_header) if headers is not None else None) or body.get("user")
+               or body.get("prompt_cache_key"))  # (OpenAI's cache routing key: decisions, Responses)
         key = key if isinstance(key, str) and key else None
     return Intake(body=body, route=route, generates=generates, depth=depth, messages=messages,
                   message_chars=message_chars, prompts=prompts, prompt_chars=prompt_chars, prompt_ids=prompt_ids,

@@ -137,6 +137,24 @@ def _other_schema(route: str, models: list[str], max_tokens: dict) -> dict:
                  "documents": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
                  "top_n": {"type": "integer", "minimum": 0}}
         required = ["model", "query", "documents"]
+    elif route == "decisions":
+        text = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}, "minItems": 1}]}
+        props = {"model": model, "input": text,
+                 "questions": {"type": "array", "minItems": 1, "maxItems": 400, "items": {
+                     "type": "object", "required": ["type", "instructions"],
+                     "properties": {"type": {"enum": ["predicate", "choice", "score"]}, "instructions": text,
+                                    "name": {"type": "string"},
+                                    "choices": {"type": "array", "minItems": 2, "maxItems": 255},
+                                    "levels": {"type": "array", "minItems": 2, "maxItems": 100}}}},
+                 "prompt_cache_key": {"type": ["string", "null"]}, "safety_identifier": {"type": ["string", "null"]}}
+        required = ["model", "input", "questions"]
+    elif route == "systemone":
+        props = {"model": model, "state": {}, "instructions": {"type": ["string", "null"]},
+                 "questions": {"type": "object", "minProperties": 1, "maxProperties": 64, "additionalProperties": {
+                     "type": "object", "required": ["type"],
+                     "properties": {"type": {"enum": ["noul", "choice", "score"]}, "instructions": {"type": "string"},
+                                    "criteria": {}}}}}
+        required = ["model", "state", "questions"]
     else:
         raise ValueError(f"no request schema for route {route!r}")
     return {"type": "object", "required": required, "properties": props}

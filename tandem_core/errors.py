@@ -30,6 +30,7 @@ class ErrorKind(str, Enum):
     REQUEST_TIMEOUT = "request_timeout"  # over limits.request_timeout_s
     ENGINE_ERROR = "engine_error"  # this request failed inside the engine
     ENGINE_DEAD = "engine_dead"  # the replica itself is gone
+    NOT_IMPLEMENTED = "not_implemented"  # the engine has no way to serve this (vLLM's 501s)
     INTERNAL = "internal"
 
 
@@ -51,6 +52,7 @@ STATUS_TABLE: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.NO_REPLICA: (503, "service_unavailable_error"),
     ErrorKind.ENGINE_ERROR: (500, "server_error"),
     ErrorKind.ENGINE_DEAD: (500, "server_error"),
+    ErrorKind.NOT_IMPLEMENTED: (501, "NotImplementedError"),  # vLLM's type, as `vllm serve` answers
     ErrorKind.INTERNAL: (500, "server_error"),
 }
 
@@ -195,6 +197,8 @@ def kind_for_status(status: int) -> ErrorKind:
         return ErrorKind.MODEL_NOT_FOUND
     if 400 <= status < 500:
         return ErrorKind.INVALID_REQUEST
+    if status == 501:
+        return ErrorKind.NOT_IMPLEMENTED
     return ErrorKind.ENGINE_ERROR
 
 

@@ -49,6 +49,7 @@ class RouteSpec:
     timed: bool = False
     doc: str = ""
     admin: bool = False
+    priority: bool = False  # its engine takes the request's priority in the body (as a generating route's)
 
 
 # The one route table: the app registers the engine routes from it, metrics take their labels from it.
@@ -69,6 +70,13 @@ ROUTE_TABLE: tuple[RouteSpec, ...] = (
               doc="Anthropic's Messages API (errors in Anthropic's shape). Autoregressive models."),
     RouteSpec("messages_count_tokens", "POST", "/v1/messages/count_tokens", engine=True,
               doc="Anthropic's token count of a Messages request."),
+    RouteSpec("decisions", "POST", "/v1/decisions", engine=True, timed=True, priority=True,
+              doc="OpenAI's Decisions API: 1-400 predicate, choice and score questions about one input, answered "
+                  "in order with probabilities read from the model's label logprobs (both model kinds)."),
+    RouteSpec("systemone", "POST", "/v1/systemone", engine=True, timed=True, priority=True,
+              doc="vLLM's structured decisions route: vLLM's own serving object on autoregressive models (501 "
+                  "where vLLM has no read strategy for the architecture); label reads in vLLM's shape on "
+                  "diffusion models."),
     RouteSpec("tokenize", "POST", "/tokenize", engine=True,
               doc="The token ids of a prompt, or of chat messages under the model's chat template."),
     RouteSpec("detokenize", "POST", "/detokenize", engine=True, doc="The text of token ids."),
@@ -131,6 +139,7 @@ ROUTE_SPECS: dict[str, RouteSpec] = {r.name: r for r in ROUTE_TABLE}
 ROUTES: dict[str, tuple[str, str]] = {r.name: (r.method, r.path) for r in ROUTE_TABLE if r.engine}
 DONE_ROUTES = frozenset(r.name for r in ROUTE_TABLE if r.done)
 GENERATING_ROUTES = frozenset(r.name for r in ROUTE_TABLE if r.generates)
+PRIORITY_ROUTES = frozenset(r.name for r in ROUTE_TABLE if r.generates or r.priority)
 Item = TandemError | dict | str
 DONE = "data: [DONE]\n\n"
 

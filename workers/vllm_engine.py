@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from tandem_core.errors import EngineConfigError, ErrorKind, TandemError, config_error_line, invalid
 from tandem_core.protocol import EngineInfo, EngineStats, Item
+from workers import vllm_decisions
 from workers.vllm_support import (
     SERVING,
     Totals,
@@ -164,6 +165,25 @@ class VllmEngine:
 
         return self._serve(body, request_id, body_parser(DetokenizeRequest.model_validate), "tokens",
                            lambda r: self._state.serving_tokenization.create_detokenize(r, None))
+
+    def systemone(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        """vLLM's /v1/systemone, through its own serving object (``workers.vllm_decisions``)."""
+        from vllm.entrypoints.generate.structured_decisions.protocol import StructuredDecisionRequest
+
+        return self._serve(body, request_id, with_id(StructuredDecisionRequest), None,
+                           lambda r: vllm_decisions.systemone(self, r))
+
+    async def decisions(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        """OpenAI's /v1/decisions: label reads through vLLM (``workers.vllm_decisions``)."""
+        self._active.add(request_id)
+        try:
+            try:
+                out = await vllm_decisions.decisions(self, body, request_id)
+            except TandemError as e:
+                out = e
+            yield out
+        finally:
+            self._active.discard(request_id)
 
     # vLLM's pooling routes (a pooling model: an embedding, classification or scoring one). Their
     # handlers answer a starlette response; its JSON body is the answer.

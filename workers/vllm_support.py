@@ -128,7 +128,9 @@ SERVING = {"chat": "openai_serving_chat", "completions": "openai_serving_complet
             "messages_count_tokens": "anthropic_serving_messages", "tokenize": "serving_tokenization",
             "detokenize": "serving_tokenization", "embeddings": "serving_embedding", "pooling": "serving_pooling",
             "classify": "serving_classification", "score": "serving_scores", "score_v1": "serving_scores",
-            "rerank": "serving_scores", "rerank_v1": "serving_scores"}
+            "rerank": "serving_scores", "rerank_v1": "serving_scores",
+            # (vLLM answers /v1/systemone on every generative model: 501 where it has no read strategy)
+            "systemone": "openai_serving_chat", "decisions": "openai_serving_chat"}
 
 
 async def response_events(events) -> AsyncIterator[str]:

@@ -1,0 +1,106 @@
+"""Decisions on autoregressive models: OpenAI's ``/v1/decisions`` and vLLM's ``/v1/systemone``.
+
+``/v1/systemone`` is vLLM's own serving object (``ServingStructuredDecisions``), called as its
+route handler calls it: on an architecture its read strategies do not list, vLLM has none and
+answers 501, and so does tandem.
+
+``/v1/decisions`` reads labels through vLLM on any model it serves (``tandem_core.label_reads``):
+each question's prompt is rendered by vLLM's own chat renderer (the chat route's template and
+defaults, thinking off, images through its processor), and each probe is one vLLM request of one
+token at temperature 0 whose ``logprob_token_ids`` are the candidates, run by vLLM's own
+``next_token_label_reads``. Probes of one question share its prompt, so vLLM's prefix cache
+prefills it once.
+"""
+
+from __future__ import annotations
+
+from tandem_core import decisions as D
+from tandem_core.errors import ErrorKind, TandemError, invalid
+from tandem_core.label_reads import Ask, Probe, ProbeResult, read_labels
+
+PROBES_PER_CALL = 64  # probes in flight at once (vLLM's /v1/systemone takes at most 64 questions)
+
+
+class VllmReader:
+    """``tandem_core.label_reads.Reader`` over a started ``VllmEngine``."""
+
+    chunk = PROBES_PER_CALL
+
+    def __init__(self, engine, request_id: str, priority: int = 0):
+        self.llm, self.state = engine._llm, engine._state
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_len = self.llm.model_config.max_model_len
+        self.sees = self.llm.model_config.is_multimodal_model
+        self.request_id = request_id
+        self.priority = priority
+        self._inputs: dict[tuple, dict] = {}  # prompt ids -> the renderer's engine input (images)
+        self._calls = 0
+
+    async def render(self, messages: list[dict], salt: str | None) -> list[int]:
+        from vllm.entrypoints.generate.structured_decisions.protocol import ReadPromptRequest
+        from vllm.renderers.inputs.preprocess import extract_prompt_components
+
+        chat = self.state.openai_serving_chat
+        try:
+            _, (engine_input,) = await self.state.online_renderer.preprocess_chat(
+                ReadPromptRequest(cache_salt=salt), messages, default_template=chat.chat_template,
+                default_template_content_format=chat.chat_template_content_format,
+                default_template_kwargs=chat.default_chat_template_kwargs, skip_mm_cache=True)
+        except Exception as e:  # noqa: BLE001 - vLLM's renderer refuses the question (the question's refusal)
+            raise invalid(f"the prompt cannot be rendered: {e}") from None
+        ids = list(extract_prompt_components(self.llm.model_config, engine_input).token_ids or [])
+        self._inputs[tuple(ids)] = engine_input
+        return ids
+
+    async def probe(self, probes: list[Probe], salt: str | None) -> list[ProbeResult]:
+        from vllm.entrypoints.generate.label_reads import next_token_label_reads
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import SamplingParams
+
+        inputs, params = [], []
+        for p in probes:
+            base = self._base(p.prompt_ids)
+            if base is not None and base.get("type") != "token":  # images: the renderer's input, extended
+                inputs.append({**base, "prompt_token_ids": list(p.prompt_ids)})
+            else:
+                inputs.append(tokens_input(list(p.prompt_ids), cache_salt=salt))
+            params.append(SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=list(p.candidates)))
+        self._calls += 1
+        try:
+            reads = await next_token_label_reads(self.llm, inputs, params, f"{self.request_id}-{self._calls}",
+                                                 priority=self.priority)
+        except ValueError as e:
+            raise TandemError(ErrorKind.ENGINE_ERROR, f"a label read failed: {e}") from None
+        out = []
+        for r in reads:
+            tokens = r.result.outputs[0].token_ids
+            out.append(ProbeResult(r.logprobs, tokens[0] if tokens else None, r.result.num_cached_tokens or 0))
+        return out
+
+    def _base(self, ids: list[int]) -> dict | None:
+        for n in range(len(ids), max(0, len(ids) - 8) - 1, -1):  # a probe is its prompt plus a label prefix
+            base = self._inputs.get(tuple(ids[:n]))
+            if base is not None:
+                return base
+        return None
+
+
+async def decisions(engine, body: dict, request_id: str) -> dict:
+    """OpenAI's ``Decision`` for ``body``. Raises TandemError."""
+    req = D.parse(body)
+    reader = VllmReader(engine, request_id, req.priority)
+    if req.input_images and not reader.sees:
+        raise invalid(f"input: model {engine.model!r} does not take images", param="input")
+    asks = [Ask(q.messages, q.labels, q.images) for q in req.questions]
+    reads = await read_labels(reader, asks, None)
+    return D.decision(body.get("model") or engine.model, req.questions,
+                      [D.Read(r.probs, r.label_mass, r.refusal) for r in reads],
+                      sum(r.input_tokens for r in reads), sum(r.cached_tokens for r in reads))
+
+
+async def systemone(engine, request):
+    """vLLM's ``/v1/systemone`` handler's call, as its route makes it (501 without a strategy)."""
+    handler = getattr(engine._state, "serving_structured_decisions", None)
+    if handler is None:  # as vLLM's route handler says
+        raise NotImplementedError("The model does not support the structured decision API")
+    return await handler.create_decision(request, None)
