@@ -42,7 +42,7 @@ ALL_CORES = set(os.sched_getaffinity(0))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=["ar", "diffusion", "prefix", "diffusion-prefix", "tenants", "batch"],
+    p.add_argument("--mode", choices=["ar", "diffusion", "prefix", "diffusion-prefix", "tenants", "batch", "decisions"],
                    default="ar",
                    help="ar: tandem vs `vllm serve`, vllm-router and smg, load from `vllm bench serve` "
                         "(default); diffusion: tandem's batcher vs HF generate(); prefix: multi-tenant "
@@ -51,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tenants: priority and weighted shares on one replica (its own flags: python -m "
                         "tandem_tools.bench_tenants --help, passed after --mode tenants); batch: the Batch API "
                         "against the same requests online, interactive TTFT with a batch running, resume after a "
-                        "kill (its own flags: python -m tandem_tools.bench_batch --help)")
+                        "kill (its own flags: python -m tandem_tools.bench_batch --help); decisions: /v1/decisions "
+                        "with 1, 10 and 100 questions against the same questions as one-token chat completions "
+                        "(its own flags: python -m tandem_tools.bench_decisions --help)")
     p.add_argument("--concurrency", default="1,8,32",
                    help="comma-separated levels (default: 1,8,32; diffusion mode: 1,4,8,16, and 1,4,MAX_BATCH "
                         "for the shape model)")

@@ -150,6 +150,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from tandem_tools import bench_batch
 
         return bench_batch.main(args.extra)
+    if args.mode == "decisions":
+        from tandem_tools import bench_decisions
+
+        return bench_decisions.main(args.extra)
     return bench.main(args)
 
 
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not (args.command in ("serve", "run-batch") and args.model is not None) and not (
-            args.command == "bench" and args.mode in ("tenants", "batch")):
+            args.command == "bench" and args.mode in ("tenants", "batch", "decisions")):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra  # `tandem serve MODEL`: vLLM's other serve flags (serve_model.vllm_flags checks them)
     setup_logging(args.log_level, args.log_format, access_log=getattr(args, "access_log", False))
