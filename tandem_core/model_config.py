@@ -51,7 +51,8 @@ class SessionAffinity(Strict):
     enabled: bool = Field(False, description="Send a session's requests to the same replica (autoregressive "
                           "models: its prefix cache holds the conversation so far).")
     header: str = Field("x-session-id", min_length=1, description="Request header carrying the session key; "
-                        "without it, the body's `user` field is the key.")
+                        "without it, the body's `user` field, else its `prompt_cache_key` (OpenAI's cache routing "
+                        "key), is the key.")
     load_factor: float = Field(1.25, ge=1, description="Bounded load: a session leaves its replica for the next "
                                "one in its order while that replica holds more than this times the average load.")
 
