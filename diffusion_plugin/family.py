@@ -20,6 +20,8 @@ A family is an adapter object over a loaded checkpoint:
   filtered, pins)`` (a chunk of rows) and ``vocab_exact(hidden, p, steps_left, generator,
   produced, pins, grammar)`` (one row, bit-exact with the reference ``generate()``), each returning
   (sampled, argmax, entropy, soft embedding, top logprobs, pinned scores[, renoise]);
+- **a label read** (decisions): ``read_scores(hidden, tokens)``, each token's ``request.Score`` at
+  the canvas's first position of one row's (1, C, H) hidden states, at temperature 1;
 - **the sampler's start**: ``init_canvas(generator)``;
 - **images** (a family with vision): ``has_vision``, ``encode_images(images)``,
   ``expand_image_tokens(ids, soft_tokens)``.
@@ -64,6 +66,8 @@ class Family(Protocol):
                    pins=None) -> tuple: ...
 
     def vocab_exact(self, hidden, p, steps_left: int, generator, produced: int, pins=None, grammar=None) -> tuple: ...
+
+    def read_scores(self, hidden, tokens: list[int]) -> list: ...
 
     def init_canvas(self, generator) -> Any: ...
 

@@ -173,6 +173,18 @@ class Runner:
 
     # -- 3./4. the vocab-wide head, the sampler, the decisions ------------------------------
     def _sample(self, rows: list[Row], hidden: torch.Tensor) -> list[RowOutput]:
+        reading = [b for b, r in enumerate(rows) if r.plan.reads]
+        if not reading:
+            return self._decide(rows, hidden)
+        # A label read needs its first position's logits only: the head runs there alone, per row
+        # (a fixed shape: the same bits whatever shares the batch), not over canvas x vocabulary.
+        reads = [RowOutput(seq_id=rows[b].seq.seq_id, block_done=True, committed=None, preview=None,
+                           scores=self.adapter.read_scores(hidden[b:b + 1], list(rows[b].plan.reads)))
+                 for b in reading]
+        keep = [b for b in range(len(rows)) if not rows[b].plan.reads]
+        return reads + (self._decide([rows[b] for b in keep], hidden[keep]) if keep else [])
+
+    def _decide(self, rows: list[Row], hidden: torch.Tensor) -> list[RowOutput]:
         steps_left = [r.bp.max_denoising_steps - r.seq.step for r in rows]
         sampled, argmax, entropy, renoise, soft, tops, scores = self.passes.vocab(rows, hidden, steps_left)
         for b, r in enumerate(rows):  # pinned positions hold their tokens, with certainty
@@ -231,9 +243,7 @@ class Runner:
         else:
             row.bp = p
         row.pins = None
-        if plan.reads:  # every candidate scored at the first position, which holds noise
-            row.pins = Pins([0] * len(plan.reads), list(plan.reads), 0)
-        elif plan.pinned:
+        if plan.pinned:
             k = seq.score_k if plan.scoring else (p.logprobs or 0)
             row.pins = Pins(list(plan.pinned), [plan.seed[j] for j in plan.pinned], k)
 

@@ -254,6 +254,9 @@ class DiffusionGemmaAdapter:
         """Fast mode's vocabulary pass over a chunk of rows (``diffusiongemma_vocab.fast_chunk``)."""
         return vocab.fast_chunk(self.model, hidden, *args, **kwargs)
 
+    def read_scores(self, hidden: torch.Tensor, tokens: list[int]) -> list:
+        return vocab.read_scores(self.model, hidden, tokens)
+
     def vocab_exact(self, hidden: torch.Tensor, p, steps_left: int, generator: torch.Generator, produced: int,
                     pins=None, grammar=None):
         """Exact mode's vocabulary pass for one row, HF's (``exact_row``; under a grammar, which

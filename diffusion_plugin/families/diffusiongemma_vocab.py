@@ -90,6 +90,16 @@ def _tops(x: torch.Tensor, k: int | None, pins: Pins | None, log_total: torch.Te
     return top, None if pins is None else pin_scores(x, log_total, pins)
 
 
+def read_scores(model, hidden: torch.Tensor, tokens: list[int]) -> list[Score]:
+    """A label read (``request.BlockPlan.reads``): each token's ``Score`` at the first canvas
+    position of one row's (1, C, H) hidden states, at temperature 1, the head on that position alone."""
+    cap = model.final_logit_softcapping
+    x = model.lm_head(hidden[0, :1]).to(torch.float32)
+    if cap:
+        x = torch.tanh(x / cap) * cap
+    return pin_scores(x, torch.logsumexp(x, -1), Pins([0] * len(tokens), list(tokens), 0))
+
+
 def pin_scores(x: torch.Tensor, log_total: torch.Tensor, pins: Pins) -> list[Score]:
     """Each pinned position's ``Score``: its token's log-softmax, rank and the top ``pins.k``
     (a few positions at a time: no canvas x vocab copy)."""
