@@ -102,26 +102,14 @@ def measure(model_name: str = "shape-diffusiongemma", rounds: int = 5, threads: 
 def step_cpu(adapter, rows: int, compiled: bool, steps: int) -> float:
     """CPU seconds of one whole fast denoise step (the trunk and the vocabulary pass) of ``rows``
     rows, the median over ``steps`` denoise-only steps."""
-    from diffusion_plugin.request import SamplingParams, Sequence
-    from diffusion_plugin.runner import Runner
-    from diffusion_plugin.scheduler import Scheduler
+    from tandem_tools.step_driver import Steps
 
-    sched = Scheduler(max_batch=rows, canvas_length=adapter.canvas_length)
-    runner, seqs, times = Runner(adapter, "fast", kv_budget_bytes=1 << 30, compiled_vocab=compiled), {}, []
-    runner.warm()
-    params = {**adapter.defaults(), "max_denoising_steps": 64}
-    for i in range(rows):
-        seq = Sequence(seq_id=f"s{i}", prompt_ids=[(7 * i + j) % 1000 + 3 for j in range(16 + 8 * i)],
-                       params=SamplingParams(max_tokens=4096, seed=i, eos_token_ids=(), **params))
-        seqs[seq.seq_id] = seq
-        sched.add(seq)
+    drive, times = Steps(adapter, rows, compiled=compiled, grow=8, max_tokens=4096), []
     while len(times) < steps:
-        batch, _ = sched.schedule()
+        batch = drive.full()
         t = time.process_time()
-        out = runner.execute(batch, seqs)
-        if not batch.encode and len(batch.denoise) == rows:
-            times.append(time.process_time() - t)
-        sched.update(out)
+        drive.run(batch)
+        times.append(time.process_time() - t)
     return statistics.median(times)
 
 

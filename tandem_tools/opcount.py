@@ -23,9 +23,7 @@ def count_step(adapter, rows: int, sampler: str = "fast", prompt_len: int = 16) 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from diffusion_plugin.request import SamplingParams, Sequence
-    from diffusion_plugin.runner import Runner
-    from diffusion_plugin.scheduler import Scheduler
+    from tandem_tools.step_driver import Steps
 
     class Count(TorchDispatchMode):
         def __init__(self):
@@ -36,24 +34,11 @@ def count_step(adapter, rows: int, sampler: str = "fast", prompt_len: int = 16) 
             self.ops[str(func.overloadpacket)] += 1
             return func(*args, **(kwargs or {}))
 
-    params = {**adapter.defaults(), "max_denoising_steps": 64}
-    sched = Scheduler(max_batch=rows, canvas_length=adapter.canvas_length)
-    runner, seqs = Runner(adapter, sampler, kv_budget_bytes=1 << 30), {}
-    for i in range(rows):
-        seq = Sequence(seq_id=f"s{i}", prompt_ids=[(7 * i + j) % 1000 + 3 for j in range(prompt_len)],
-                       params=SamplingParams(max_tokens=adapter.canvas_length, seed=i, eos_token_ids=(), **params))
-        seqs[seq.seq_id] = seq
-        sched.add(seq)
-    for _ in range(8):  # admission and the prompt pass
-        batch, _ = sched.schedule()
-        if batch.denoise and not batch.encode and len(batch.denoise) == rows:
-            break
-        sched.update(runner.execute(batch, seqs))
-    else:
-        raise RuntimeError(f"bug: {rows} rows never denoised together")
+    drive = Steps(adapter, rows, sampler, prompt_len=prompt_len)
+    batch = drive.full()
     counter = Count()
     with torch.inference_mode(), counter:
-        runner.execute(batch, seqs)
+        drive.runner.execute(batch, drive.seqs)
     total = sum(counter.ops.values())
     layers = len(adapter.layer_types)
     return {"rows": rows, "ops": total, "per_layer": round(total / layers, 1), "layers": layers,

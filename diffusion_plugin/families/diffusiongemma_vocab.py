@@ -194,11 +194,19 @@ class Scratch:
         if self.fused is not None:
             x, e = self.get((1, canvas, model.lm_head.weight.shape[0]), device)
             x.zero_()
-            try:
-                self.fused(x, e, torch.ones(1, device=device), float(model.final_logit_softcapping))
-            except Exception:  # noqa: BLE001 - as in fast_chunk: the eager passes serve
-                logger.exception("the compiled vocabulary pass failed; the eager passes serve from now on")
-                self.fused = None
+            self.run_fused(x, e, torch.ones(1, device=device), float(model.final_logit_softcapping))
+
+    def run_fused(self, x: torch.Tensor, e: torch.Tensor, inv_t: torch.Tensor, cap: float):
+        """The fused pass, one row at a time (the same kernel and shape whatever the batch):
+        (total, argmax, entropy) of ``x``'s rows; None if it failed, and from then on the eager
+        passes serve (no C++ compiler, an inductor failure), ``x`` left to be recomputed."""
+        try:
+            parts = [self.fused(x[b:b + 1], e[b:b + 1], inv_t[b:b + 1], cap) for b in range(x.shape[0])]
+        except Exception:  # noqa: BLE001 - the one place a failure of the compiled pass is handled
+            logger.exception("the compiled vocabulary pass failed; the eager passes serve from now on")
+            self.fused = None
+            return None
+        return tuple(torch.cat(xs) for xs in zip(*parts, strict=True))
 
     def get(self, shape: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._bufs is None or self._bufs[0].shape[1:] != shape[1:] or self._bufs[0].shape[0] < shape[0]:
@@ -225,14 +233,10 @@ def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.
     _head(hidden, weight, x)
     filtered = [(b, f) for b, f in enumerate(filtered or []) if f is not None]
     if scratch.fused is not None and not filtered and not any(g is not None for g in grammars or []):
-        try:  # one row at a time: the same kernel and shape whatever the batch
-            parts = [scratch.fused(x[b:b + 1], e[b:b + 1], inv_t[b:b + 1], cap) for b in range(R)]
-            total, argmax, entropy = (torch.cat(xs) for xs in zip(*parts, strict=True))
-            return _finish(model, x, e, total, argmax, entropy, uniform, weight, hidden, ks, pins, [], {}, R)
-        except Exception:  # noqa: BLE001 - no C++ compiler, an inductor failure: the eager passes serve
-            logger.exception("the compiled vocabulary pass failed; the eager passes serve from now on")
-            scratch.fused = None
-            _head(hidden, weight, x)
+        fused = scratch.run_fused(x, e, inv_t, cap)
+        if fused is not None:
+            return _finish(model, x, e, *fused, uniform, weight, hidden, ks, pins, [], {}, R)
+        _head(hidden, weight, x)
     x.div_(cap).tanh_().mul_((cap * inv_t).to(x.dtype)[:, None, None])  # softcap, then / temperature
     for b, (params, produced) in filtered:
         filters.prepare(x[b], params, produced, 1.0 / float(inv_t[b]))

@@ -216,4 +216,7 @@ def test_raw_text_with_a_stop_string_releases_the_text_before_it(tok, ids, canva
     sent_text += rest.text
     assert sent_text == full[:full.find(stop)]
     assert sent_ids == ids[:len(sent_ids)]
-    assert tok.decode(sent_ids, skip_special_tokens=False).startswith(sent_text)
+    # (a token may straddle the stop's start: the ids end before it, their text then short of a
+    # character, ending in a partial byte)
+    decoded = tok.decode(sent_ids, skip_special_tokens=False)
+    assert decoded.startswith(sent_text) or sent_text.startswith(decoded.rstrip("\ufffd"))
