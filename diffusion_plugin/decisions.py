@@ -11,14 +11,17 @@ batched with other traffic like any block. The probes of a question share its pr
 through the prefix cache (fast mode). A read is batch-invariant in fast mode: the same request
 gives the same probabilities whatever shares the batch.
 
-Images are not read on diffusion models yet: an image in the input is a 400, one in a question
-is that question's refusal.
+Images: on a family with vision, a question's images are encoded once per request (every
+question shows the input's) and each probe's prompt pass reads them (no prefix cache for a prompt
+with images, as for any request).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
+from diffusion_plugin.images import extract_images
 from diffusion_plugin.loop import EventKind
 from diffusion_plugin.request import SamplingParams as Knobs
 from diffusion_plugin.request import SeqStatus, Sequence
@@ -33,10 +36,11 @@ UNBOUNDED_LEN = 1 << 20  # a family without a position limit
 class DiffusionReader:
     """``tandem_core.label_reads.Reader`` over a started ``DiffusionEngine``."""
 
-    sees = False
-
     def __init__(self, engine, request_id: str, priority: int = 0, template_kwargs: dict | None = None):
         self.engine = engine
+        self.sees = bool(engine.adapter.has_vision)
+        self._encoded: dict[str, object] = {}  # a question's image parts -> their encoded images
+        self._images: dict[tuple, object] = {}  # a rendered prompt -> its encoded images
         self.tokenizer = engine.adapter.tokenizer
         self.max_len = engine.adapter.max_position or UNBOUNDED_LEN
         self.chunk = 4 * engine.max_batch  # the rest waits in the engine, not in the scheduler's queue
@@ -46,7 +50,22 @@ class DiffusionReader:
         self._n = 0
 
     async def render(self, messages: list[dict], salt: str | None) -> list[int]:
-        return list(self.engine.intake._prompt_ids(messages, None, template_kwargs=self.template_kwargs))
+        intake = self.engine.intake
+        shown, sources = extract_images(messages, self.engine.image_limits)
+        if not sources:
+            return list(intake._prompt_ids(messages, None, template_kwargs=self.template_kwargs))
+        key = json.dumps([p for m in messages if isinstance(m.get("content"), list) for p in m["content"]
+                          if p.get("type") == "image_url"])
+        if key not in self._encoded:  # one vision pass per distinct set of images in the request
+            self._encoded[key] = (await intake._images(messages))[1]
+        images = self._encoded[key]
+        ids = intake._prompt_ids(shown, None, template_kwargs=self.template_kwargs)
+        try:
+            ids = self.engine.adapter.expand_image_tokens(ids, images.num_soft_tokens)
+        except ValueError as e:
+            raise invalid(f"input: {e}", "input") from None
+        self._images[tuple(ids)] = images
+        return list(ids)
 
     async def probe(self, probes: list[Probe], salt: str | None) -> list[ProbeResult]:
         seqs = []
@@ -55,7 +74,8 @@ class DiffusionReader:
             knobs = Knobs(max_tokens=0, max_denoising_steps=1, entropy_bound=0.0, t_min=1.0, t_max=1.0,
                           stability_threshold=1, confidence_threshold=0.0, seed=0)
             seqs.append(Sequence(seq_id=f"{self.request_id}-r{self._n}", prompt_ids=list(p.prompt_ids), params=knobs,
-                                 read_ids=tuple(p.candidates), cache_salt=salt, priority=self.priority))
+                                 read_ids=tuple(p.candidates), cache_salt=salt, priority=self.priority,
+                                 images=self._images.get(tuple(p.prompt_ids[:p.prompt_len]))))
         loop, running = self.engine.loop, self.engine._requests
         running.setdefault(self.request_id, []).extend(s.seq_id for s in seqs)
         try:
@@ -96,9 +116,9 @@ async def _once(engine, body, request_id, handle) -> AsyncIterator[Item]:
 
 async def decisions(engine, body: dict, request_id: str) -> dict:
     req = D.parse(body)
-    if req.input_images:
-        raise invalid(f"input: images are not read on diffusion models (model {engine.model!r})", param="input")
     reader = DiffusionReader(engine, request_id, req.priority)
+    if req.input_images and not reader.sees:
+        raise invalid(f"input: model {engine.model!r} does not take images", param="input")
     reads = await read_labels(reader, [Ask(q.messages, q.labels, q.images) for q in req.questions], None)
     return D.decision(body.get("model") or engine.model, req.questions,
                       [D.Read(r.probs, r.label_mass, r.refusal) for r in reads],
@@ -119,15 +139,22 @@ async def systemone(engine, body: dict, request_id: str) -> dict:
         request = V.StructuredDecisionRequest.model_validate(body)
     try:
         questions = parse_questions(request, DecisionLimits(max_questions=64, max_options=len(LABELS)))
-        if request.images or request.audio or request.videos:
-            raise StructuredDecisionError("this model does not take image, audio or video inputs")
+        if request.audio or request.videos or (request.images and not engine.adapter.has_vision):
+            raise StructuredDecisionError("this model does not take "
+                                          + ("audio or video" if request.audio or request.videos else "image")
+                                          + " inputs")
         if (request.chat_template_kwargs or {}).get("enable_thinking"):
             raise StructuredDecisionError("a read is the reply's first token, so thinking must be off")
     except StructuredDecisionError as e:
         raise invalid(str(e), param="questions") from None
     state = state_text(request.state)
     head = [{"role": "system", "content": request.instructions}] if request.instructions else []
-    asks = [Ask([*head, {"role": "user", "content": f"{state}\n\n{q.type.prompt(q)}"}], q.labels) for q in questions]
+    shown = [{"type": "image_url", "image_url": {"url": url}} for url in request.images or []]
+
+    def turn(text: str) -> dict:
+        return {"role": "user", "content": [*shown, {"type": "text", "text": text}] if shown else text}
+
+    asks = [Ask([*head, turn(f"{state}\n\n{q.type.prompt(q)}")], q.labels, bool(shown)) for q in questions]
     reader = DiffusionReader(engine, request_id, request.priority, request.chat_template_kwargs)
     reads = await read_labels(reader, asks, request.cache_salt)
     refused = next((r.refusal for r in reads if r.refusal), None)

@@ -24,10 +24,12 @@ TAIL_TOKENS = 32  # a label is tokenized after at most this much of the prompt's
 
 @dataclass(frozen=True)
 class Probe:
-    """One engine read: the next-token log-probabilities of ``candidates`` after ``prompt_ids``."""
+    """One engine read: the next-token log-probabilities of ``candidates`` after ``prompt_ids``,
+    whose first ``prompt_len`` tokens are the question's rendered prompt (the rest a label's prefix)."""
 
     prompt_ids: list[int]
     candidates: list[int]
+    prompt_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ async def read_labels(reader: Reader, asks: list[Ask], salt: str | None) -> list
             continue
         for node in plan.nodes:
             children = sorted({s[len(node)] for s in plan.seqs if len(s) > len(node) and s[:len(node)] == node})
-            probes.append(Probe(plan.prompt + list(node), children))
+            probes.append(Probe(plan.prompt + list(node), children, len(plan.prompt)))
             owners.append((i, node))
     # The first question's probes go alone: the input they share with every other question is then
     # in the engine's prefix cache before the rest are admitted together (rows admitted at once

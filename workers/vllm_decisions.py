@@ -59,7 +59,7 @@ class VllmReader:
 
         inputs, params = [], []
         for p in probes:
-            base = self._base(p.prompt_ids)
+            base = self._inputs.get(tuple(p.prompt_ids[:p.prompt_len]))
             if base is not None and base.get("type") != "token":  # images: the renderer's input, extended
                 inputs.append({**base, "prompt_token_ids": list(p.prompt_ids)})
             else:
@@ -76,13 +76,6 @@ class VllmReader:
             tokens = r.result.outputs[0].token_ids
             out.append(ProbeResult(r.logprobs, tokens[0] if tokens else None, r.result.num_cached_tokens or 0))
         return out
-
-    def _base(self, ids: list[int]) -> dict | None:
-        for n in range(len(ids), max(0, len(ids) - 8) - 1, -1):  # a probe is its prompt plus a label prefix
-            base = self._inputs.get(tuple(ids[:n]))
-            if base is not None:
-                return base
-        return None
 
 
 async def decisions(engine, body: dict, request_id: str) -> dict:

@@ -1,11 +1,14 @@
 """Label reads in the diffusion batcher (``diffusion_plugin.decisions``) on the real tiny model:
 a read is one read-only row (nothing committed, the sequence ends after it), its log-softmax
 does not depend on what shares the batch (fast mode: other reads, generating rows), the same
-request twice gives the same answers, and vLLM's /v1/systemone shape comes back."""
+request twice gives the same answers, images are read with the questions, and vLLM's
+/v1/systemone shape comes back."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 
 import pytest
 import torch
@@ -42,12 +45,27 @@ async def _run(sampler: str):
             async for out in engine.decisions(dict(BODY), f"d{i}"):
                 answers.append(out)
         systemone = []
-        async for out in engine.systemone({"model": "m", "state": "late parcel", "questions": {
-                "q": {"type": "noul", "instructions": "Happy?"}}}, "s1"):
+        async for out in engine.systemone({"model": "m", "state": "late parcel", "images": [_picture()],
+                                           "questions": {"q": {"type": "noul", "instructions": "Happy?"}}}, "s1"):
             systemone.append(out)
-        return alone, together, answers, systemone, engine.loop.scheduler.stats
+        shown = {**BODY, "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "What is in the picture?"},
+            {"type": "input_image", "image_url": _picture()}]}]}
+        seen = []
+        for i in range(2):
+            async for out in engine.decisions(dict(shown), f"i{i}"):
+                seen.append(out)
+        return alone, together, answers, systemone, seen, engine.loop.scheduler.stats
     finally:
         await engine.shutdown()
+
+
+def _picture() -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 24), (200, 40, 10)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 async def _drain(stream):
@@ -57,7 +75,7 @@ async def _drain(stream):
 
 @pytest.mark.parametrize("sampler", ["fast", "exact"])
 def test_reads_are_batch_invariant_repeatable_and_commit_nothing(sampler):
-    alone, together, answers, systemone, stats = asyncio.run(_run(sampler))
+    alone, together, answers, systemone, seen, stats = asyncio.run(_run(sampler))
     assert together == alone  # bit for bit, with each other and a generating row in the batch
     assert all(isinstance(a, dict) for a in answers) and answers[0]["answers"] == answers[1]["answers"]
     probs = [p["probability"] for p in answers[0]["answers"][1]["probabilities"]]
@@ -66,3 +84,7 @@ def test_reads_are_batch_invariant_repeatable_and_commit_nothing(sampler):
     assert s["object"] == "structured_decision" and set(s["answers"]) == {"q"}
     assert s["answers"]["q"]["type"] == "noul" and 0 <= s["diagnostics"]["q"]["label_mass"] <= 1
     assert stats.tokens_scored == 0  # a read commits and scores no prompt token
+    # an image in the input (the tiny family sees): read with every question, the same twice
+    assert all(isinstance(a, dict) for a in seen) and seen[0]["answers"] == seen[1]["answers"]
+    assert [a["type"] for a in seen[0]["answers"]] == ["predicate", "choice", "score"]
+    assert seen[0]["usage"]["input_tokens"] > answers[0]["usage"]["input_tokens"]  # the image's tokens
