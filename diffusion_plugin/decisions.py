@@ -18,6 +18,7 @@ with images, as for any request).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -39,7 +40,7 @@ class DiffusionReader:
     def __init__(self, engine, request_id: str, priority: int = 0, template_kwargs: dict | None = None):
         self.engine = engine
         self.sees = bool(engine.adapter.has_vision)
-        self._encoded: dict[str, object] = {}  # a question's image parts -> their encoded images
+        self._encoded: dict[str, asyncio.Future] = {}  # a question's image parts -> their encoding
         self._images: dict[tuple, object] = {}  # a rendered prompt -> its encoded images
         self.tokenizer = engine.adapter.tokenizer
         self.max_len = engine.adapter.max_position or UNBOUNDED_LEN
@@ -57,8 +58,8 @@ class DiffusionReader:
         key = json.dumps([p for m in messages if isinstance(m.get("content"), list) for p in m["content"]
                           if p.get("type") == "image_url"])
         if key not in self._encoded:  # one vision pass per distinct set of images in the request
-            self._encoded[key] = (await intake._images(messages))[1]
-        images = self._encoded[key]
+            self._encoded[key] = asyncio.ensure_future(intake._images(messages))
+        images = (await self._encoded[key])[1]
         ids = intake._prompt_ids(shown, None, template_kwargs=self.template_kwargs)
         try:
             ids = self.engine.adapter.expand_image_tokens(ids, images.num_soft_tokens)

@@ -12,6 +12,7 @@ once. An engine implements ``Reader``: it renders chat messages to token ids and
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -81,10 +82,10 @@ class _Plan:
 async def read_labels(reader: Reader, asks: list[Ask], salt: str | None) -> list[LabelRead]:
     """Each question's label probabilities (or its refusal), in order."""
     reads = [LabelRead() for _ in asks]
-    plans: list[_Plan | None] = []
     cache: dict = {}
-    for ask, read in zip(asks, reads, strict=True):
-        plans.append(await _plan(reader, ask, salt, read, cache))
+    # Rendered together: an engine's renderer may tokenize off the event loop, in parallel.
+    plans = await asyncio.gather(*(_plan(reader, ask, salt, read, cache) for ask, read in zip(asks, reads,
+                                                                                                strict=True)))
     probes, owners = [], []
     for i, plan in enumerate(plans):
         if plan is None:
@@ -93,16 +94,10 @@ async def read_labels(reader: Reader, asks: list[Ask], salt: str | None) -> list
             children = sorted({s[len(node)] for s in plan.seqs if len(s) > len(node) and s[:len(node)] == node})
             probes.append(Probe(plan.prompt + list(node), children, len(plan.prompt)))
             owners.append((i, node))
-    # The first question's probes go alone: the input they share with every other question is then
-    # in the engine's prefix cache before the rest are admitted together (rows admitted at once
-    # cannot share pages still being written).
-    first = sum(1 for i, _ in owners if i == owners[0][0]) if owners else 0
-    step = max(1, reader.chunk)
-    cuts = [0, *range(first, len(probes), step), len(probes)] if first else [0, len(probes)]
-    results: list[ProbeResult] = []
-    for a, b in zip(cuts, cuts[1:], strict=False):
-        if b > a:
-            results.extend(await reader.probe(probes[a:b], salt))
+    results: list[ProbeResult | None] = [None] * len(probes)
+    for wave in _waves(owners, max(1, reader.chunk)):
+        for k, res in zip(wave, await reader.probe([probes[k] for k in wave], salt), strict=True):
+            results[k] = res
     table: dict[int, dict[tuple[int, ...], dict[int, float]]] = {}
     for (i, node), probe, res in zip(owners, probes, results, strict=True):
         table.setdefault(i, {})[node] = dict(zip(probe.candidates, res.logprobs, strict=True))
@@ -119,6 +114,26 @@ async def read_labels(reader: Reader, asks: list[Ask], salt: str | None) -> list
             reads[i].probs = [w / total for w in weights]
             reads[i].label_mass = min(1.0, sum(math.exp(lp) for lp in lps))
     return reads
+
+
+def _waves(owners: list[tuple[int, tuple]], chunk: int) -> list[list[int]]:
+    """The probes' order, as engine calls of at most ``chunk``: the first question's root alone
+    (the input every question shares is then in the engine's prefix cache before the others are
+    admitted: rows admitted together cannot share pages still being written), then the roots of
+    the rest, then each deeper level of the tries (a label prefix's probe finds its question's
+    prompt cached by the root's)."""
+    if not owners:
+        return []
+    order = sorted(range(1, len(owners)), key=lambda k: (len(owners[k][1]), k))
+    waves, wave = [[0]], []
+    for k in order:
+        if wave and (len(wave) == chunk or len(owners[k][1]) != len(owners[wave[-1]][1])):
+            waves.append(wave)
+            wave = []
+        wave.append(k)
+    if wave:
+        waves.append(wave)
+    return waves
 
 
 async def _plan(reader: Reader, ask: Ask, salt: str | None, read: LabelRead, cache: dict) -> _Plan | None:

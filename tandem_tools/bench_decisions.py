@@ -61,11 +61,15 @@ async def decide(client: httpx.AsyncClient, url: str, model: str, text: str, qs:
     return len(r.json()["answers"])
 
 
+CHAT_EXTRA: dict = {}  # --chat-steps: the diffusion knobs of the one-token chat completions
+
+
 async def separately(client: httpx.AsyncClient, url: str, model: str, text: str, qs: list[dict]) -> int:
     async def one(q: dict) -> None:
         r = await client.post(url + "/v1/chat/completions", json={
             "model": model, "messages": [{"role": "user", "content": chat_text(text, q)}], "max_tokens": 1,
-            "temperature": 0, "logprobs": True, "top_logprobs": 5})
+            "temperature": 0, "logprobs": True, "top_logprobs": 5,
+            **(CHAT_EXTRA if MODELS[model]["kind"] == "diffusion" else {})})
         r.raise_for_status()
     await asyncio.gather(*(one(q) for q in qs))
     return len(qs)
@@ -135,6 +139,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions-per-phase", type=int, default=100,
                    help="questions asked per phase (requests = this / questions per request; default 100)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
+    p.add_argument("--chat-steps", type=int, default=None,
+                   help="diffusion models: the chat completions' diffusion.max_denoising_steps (default: the "
+                        "model's, 48 at the real shape; 1 is the cheapest one-token chat a client can ask)")
     p.add_argument("--port", type=int, default=8152)
     p.add_argument("--ready-timeout", type=float, default=600)
     p.add_argument("--out", help="write the results as JSON here")
@@ -144,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.chat_steps is not None:
+        CHAT_EXTRA["diffusion"] = {"max_denoising_steps": args.chat_steps}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     workdir = Path("/tmp/tandem-bench-decisions")

@@ -18,16 +18,16 @@ from tandem_core import decisions as D
 from tandem_core.errors import ErrorKind, TandemError, invalid
 from tandem_core.label_reads import Ask, Probe, ProbeResult, read_labels
 
-PROBES_PER_CALL = 64  # probes in flight at once (vLLM's /v1/systemone takes at most 64 questions)
+PROBES_PER_CALL = 64  # probes in flight at once, at least (vLLM's /v1/systemone takes at most 64 questions)
 
 
 class VllmReader:
     """``tandem_core.label_reads.Reader`` over a started ``VllmEngine``."""
 
-    chunk = PROBES_PER_CALL
-
     def __init__(self, engine, request_id: str, priority: int = 0):
         self.llm, self.state = engine._llm, engine._state
+        # As many probes in flight as the engine batches in one step (the rest would only queue)
+        self.chunk = max(PROBES_PER_CALL, self.llm.vllm_config.scheduler_config.max_num_seqs or 0)
         self.tokenizer = self.llm.get_tokenizer()
         self.max_len = self.llm.model_config.max_model_len
         self.sees = self.llm.model_config.is_multimodal_model

@@ -78,15 +78,18 @@ def test_a_label_of_several_tokens_is_scored_as_a_sequence_over_a_trie_of_prefix
     lp = {label: sum(reader.logprob(prompt + ids[:j], ids[j]) for j in range(len(ids))) for label, ids in seq.items()}
     p_yes = 1 / (1 + math.exp(lp["no"] - lp["yes"]))
     assert read.probs[0] == pytest.approx(p_yes) and read.label_mass == pytest.approx(sum(map(math.exp, lp.values())))
-    assert reader.calls == [1 + 2 + 1]  # the root, "y", "ye", "n": one probe per inner prefix
+    assert reader.calls == [1, 2, 1]  # one probe per inner prefix, level by level: the root; "y", "n"; "ye"
 
 
-def test_the_first_question_goes_alone_then_chunks():
+def test_the_first_question_goes_alone_then_chunks_level_by_level():
     reader = FakeReader(chunk=4)
     _decide({"model": "m", "input": "x", "questions": [
         {"type": "choice", "instructions": str(i), "choices": [{"value": "a"}, {"value": "b"}]} for i in range(10)]},
         reader)
     assert reader.calls == [1, 4, 4, 1]  # one probe a question (single-token labels A, B)
+    reader = FakeReader(chunk=4)
+    _decide({"model": "m", "input": "x", "questions": [QUESTIONS[0]] * 3}, reader)
+    assert reader.calls == [1, 2, 4, 2, 3]  # roots (the first alone); "y", "n" of each (4 + 2); "ye" of each
 
 
 def test_labels_have_one_length_so_none_starts_another():
