@@ -116,14 +116,7 @@ async def _once(engine, body, request_id, handle) -> AsyncIterator[Item]:
 
 
 async def decisions(engine, body: dict, request_id: str) -> dict:
-    req = D.parse(body)
-    reader = DiffusionReader(engine, request_id, req.priority)
-    if req.input_images and not reader.sees:
-        raise invalid(f"input: model {engine.model!r} does not take images", param="input")
-    reads = await read_labels(reader, [Ask(q.messages, q.labels, q.images) for q in req.questions], None)
-    return D.decision(body.get("model") or engine.model, req.questions,
-                      [D.Read(r.probs, r.label_mass, r.refusal) for r in reads],
-                      sum(r.input_tokens for r in reads), sum(r.cached_tokens for r in reads))
+    return await D.decide(body, engine.model, lambda priority: DiffusionReader(engine, request_id, priority))
 
 
 async def systemone(engine, body: dict, request_id: str) -> dict:

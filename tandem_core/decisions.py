@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
 
 from tandem_core.errors import invalid
+from tandem_core.label_reads import Ask, Reader, read_labels
 
 MAX_QUESTIONS = 400  # OpenAI's bound
 MAX_CHOICES = 255  # OpenAI's bound
@@ -373,3 +374,15 @@ def decision(model: str, questions: list[Question], reads: list[Read], input_tok
                       "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
                       "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": input_tokens}}
+
+
+async def decide(body: dict, model: str, reader_for) -> dict:
+    """A whole request on one engine: parsed, its questions read by ``reader_for(priority)`` (the
+    engine's ``Reader``), answered. Raises TandemError (400s name the field)."""
+    req = parse(body)
+    reader: Reader = reader_for(req.priority)
+    if req.input_images and not reader.sees:
+        raise invalid(f"input: model {model!r} does not take images", param="input")
+    reads = await read_labels(reader, [Ask(q.messages, q.labels, q.images) for q in req.questions], None)
+    return decision(body.get("model") or model, req.questions, [Read(r.probs, r.label_mass, r.refusal) for r in reads],
+                    sum(r.input_tokens for r in reads), sum(r.cached_tokens for r in reads))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -21,6 +20,7 @@ import httpx
 import yaml
 
 from tandem_tools import procstat
+from tandem_tools.bench_common import per_model
 from tandem_tools.servers import Server, prompts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -147,25 +147,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="write the results as JSON here")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(ap)
-    args = ap.parse_args(argv)
+def _chat_steps(args) -> None:
     if args.chat_steps is not None:
         CHAT_EXTRA["diffusion"] = {"max_denoising_steps": args.chat_steps}
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    workdir = Path("/tmp/tandem-bench-decisions")
-    workdir.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for model in args.models.split(","):
-        t0 = time.monotonic()
-        results[model] = run_model(model, args, workdir)
-        print(report(model, results[model]), flush=True)
-        logger.info("%s done in %.0f s", model, time.monotonic() - t0)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return per_model(argv, __doc__, add_arguments, "/tmp/tandem-bench-decisions", run_model, report, _chat_steps)
 
 
 if __name__ == "__main__":

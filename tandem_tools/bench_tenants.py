@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import yaml
 
 from tandem_tools import procstat
+from tandem_tools.bench_common import per_model
 from tandem_tools.loadgen import one_stream, percentile
 from tandem_tools.servers import Server, prompts
 
@@ -183,22 +182,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(ap)
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    workdir = Path("/tmp/tandem-bench-tenants")
-    workdir.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for model in args.models.split(","):
-        t0 = time.monotonic()
-        results[model] = run_model(model, args, workdir)
-        print(report(model, results[model]), flush=True)
-        logger.info("%s done in %.0f s", model, time.monotonic() - t0)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
-    return 0
+    return per_model(argv, __doc__, add_arguments, "/tmp/tandem-bench-tenants", run_model, report)
 
 
 if __name__ == "__main__":

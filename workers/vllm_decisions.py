@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from tandem_core import decisions as D
 from tandem_core.errors import ErrorKind, TandemError, invalid
-from tandem_core.label_reads import Ask, Probe, ProbeResult, read_labels
+from tandem_core.label_reads import Probe, ProbeResult
 
 PROBES_PER_CALL = 64  # probes in flight at once, at least (vLLM's /v1/systemone takes at most 64 questions)
 
@@ -80,15 +80,7 @@ class VllmReader:
 
 async def decisions(engine, body: dict, request_id: str) -> dict:
     """OpenAI's ``Decision`` for ``body``. Raises TandemError."""
-    req = D.parse(body)
-    reader = VllmReader(engine, request_id, req.priority)
-    if req.input_images and not reader.sees:
-        raise invalid(f"input: model {engine.model!r} does not take images", param="input")
-    asks = [Ask(q.messages, q.labels, q.images) for q in req.questions]
-    reads = await read_labels(reader, asks, None)
-    return D.decision(body.get("model") or engine.model, req.questions,
-                      [D.Read(r.probs, r.label_mass, r.refusal) for r in reads],
-                      sum(r.input_tokens for r in reads), sum(r.cached_tokens for r in reads))
+    return await D.decide(body, engine.model, lambda priority: VllmReader(engine, request_id, priority))
 
 
 async def systemone(engine, request):
