@@ -39,6 +39,14 @@ def _probabilities(answer) -> list[float]:
     return [p.probability for p in answer.probabilities]
 
 
+def _numbers(answers) -> list[float]:
+    out = []
+    for a in answers:
+        out += [getattr(a, k) for k in ("probability", "confidence", "score") if getattr(a, k, None) is not None]
+        out += _probabilities(a) if getattr(a, "probabilities", None) else []
+    return out
+
+
 @pytest.fixture(scope="module")
 def vllm_systemone(tmp_path_factory) -> list[tuple[int, dict]]:
     """`vllm serve` on tiny-llama's files, alone: its answers to /v1/systemone."""
@@ -72,7 +80,12 @@ def test_the_newest_sdk_decides_on_both_model_kinds(stack, model):
     assert [p.value for p in score.probabilities] == [0, 1, 2, 3, 4] and 0 <= score.score <= 4
     assert first.usage.input_tokens > 0 and first.usage.output_tokens == 0
     again = client.decisions.create(model=model, input=INPUT, questions=QUESTIONS)
-    assert again.answers == first.answers  # the same reads, whatever shared the batch
+    if model == "tiny-diffusiongemma":
+        assert again.answers == first.answers  # bit for bit: batch-invariant reads, fixed noise
+    else:  # vLLM reads the second time through its prefix cache: a prefill of other lengths, on
+        # CPU another GEMM kernel for a few rows (~1e-7 apart), so the same up to float rounding
+        assert _numbers(again.answers) == pytest.approx(_numbers(first.answers), rel=1e-5, abs=1e-7)
+        assert [a.type for a in again.answers] == [a.type for a in first.answers]
 
 
 @pytest.mark.parametrize("model", MODELS)
