@@ -43,7 +43,7 @@ class ExactPasses:
             with self.adapter.fast_experts(False):
                 self.adapter.encode([r.cache], [r.pending], [r.cur_len], None if r.images is None else [r.images])
 
-    def trunk(self, rows: list[Row], canvas, positions, soft) -> torch.Tensor:
+    def trunk(self, rows: list[Row], canvas, positions, soft, width: int) -> torch.Tensor:
         with self.adapter.fast_experts(False):
             return torch.cat([self.adapter.decode_hidden(canvas[b:b + 1], r.cache, positions[b:b + 1],
                                                          None if soft is None else soft[b:b + 1])

@@ -137,18 +137,19 @@ class FastPasses:
                 self.adapter.encode([r.cache for r in group], [r.pending for r in group], [r.cur_len for r in group],
                                     images if any(i is not None for i in images) else None)
 
-    def trunk(self, rows: list[Row], canvas, positions, soft) -> torch.Tensor:
+    def trunk(self, rows: list[Row], canvas, positions, soft, width: int) -> torch.Tensor:
+        """The decoder over ``width``-wide canvases (the model's, or a label read's)."""
         if not self.rowwise:
-            return self._trunk(self.views, rows, canvas, positions, soft)
+            return self._trunk(self.views, rows, canvas, positions, soft, width)
         return torch.cat([self._trunk(self.row_views.setdefault(r.seq.seq_id, FastViews()), [r], canvas[b:b + 1],
-                                      positions[b:b + 1], None if soft is None else soft[b:b + 1])
+                                      positions[b:b + 1], None if soft is None else soft[b:b + 1], width)
                           for b, r in enumerate(rows)])
 
-    def _trunk(self, views: FastViews, rows: list[Row], canvas, positions, soft) -> torch.Tensor:
+    def _trunk(self, views: FastViews, rows: list[Row], canvas, positions, soft, width: int) -> torch.Tensor:
         view, spec = views.get([r.seq.seq_id for r in rows], [r.version for r in rows], [r.cache for r in rows])
         token = FAST.set(spec)
         try:
-            with self.adapter.fast_experts(True), gemm.rows(self.adapter.canvas_length):
+            with self.adapter.fast_experts(True), gemm.rows(width):
                 return self.adapter.decode_hidden(canvas, view, positions, soft)
         finally:
             FAST.reset(token)

@@ -68,6 +68,9 @@ class SamplingParams:
 
 
 SCORE_SEED = 0  # a score block's noise positions (after a partial block's tokens) draw from this seed
+# A label read's canvas: its first positions only (the read is at the first), in a decoder forward
+# of the reads alone; vLLM's DiffusionGemma strategy reads a 16-wide canvas too.
+READ_CANVAS = 16
 
 
 @dataclass(frozen=True)

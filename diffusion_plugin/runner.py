@@ -28,7 +28,7 @@ from diffusion_plugin.draws import INIT, hash_draws
 from diffusion_plugin.exact_passes import ExactPasses
 from diffusion_plugin.family import Family
 from diffusion_plugin.fast_passes import FastPasses
-from diffusion_plugin.request import SCORE_SEED, Sequence
+from diffusion_plugin.request import READ_CANVAS, SCORE_SEED, Sequence
 from diffusion_plugin.rows import Row
 
 SAMPLERS = ("exact", "fast")
@@ -148,22 +148,26 @@ class Runner:
         out = StepOutput()
         if batch.denoise:
             rows = [self.rows[s] for s in batch.denoise]
+            reads, rest = [r for r in rows if r.plan.reads], [r for r in rows if not r.plan.reads]
             t = time.perf_counter()
-            hidden = self._trunk(rows)
+            hidden = self._trunk(reads, min(READ_CANVAS, self.adapter.canvas_length)) if reads else None
+            out.rows = self._read(reads, hidden) if reads else []
+            hidden = self._trunk(rest, self.adapter.canvas_length) if rest else None
             forward_s += time.perf_counter() - t
-            out.rows = self._sample(rows, hidden)
+            out.rows += self._decide(rest, hidden) if rest else []
         out.forward_s = forward_s
         out.cached = self.cached
         out.step_s = time.perf_counter() - t0
         return out
 
     # -- 2. the trunk -----------------------------------------------------------------------
-    def _trunk(self, rows: list[Row]) -> torch.Tensor:
-        C = self.adapter.canvas_length
-        canvas = torch.cat([r.canvas for r in rows])
-        positions = torch.stack([torch.arange(r.cur_len, r.cur_len + C, dtype=torch.int32, device=canvas.device)
+    def _trunk(self, rows: list[Row], width: int) -> torch.Tensor:
+        """The decoder over the rows' canvases, their first ``width`` positions (label reads: a
+        narrow canvas of their own; every other row: the whole canvas)."""
+        canvas = torch.cat([r.canvas[:, :width] for r in rows])
+        positions = torch.stack([torch.arange(r.cur_len, r.cur_len + width, dtype=torch.int32, device=canvas.device)
                                  for r in rows])  # on the canvas's device, as HF
-        return self.passes.trunk(rows, canvas, positions, self._soft(rows))
+        return self.passes.trunk(rows, canvas, positions, self._soft(rows), width)
 
     def _soft(self, rows: list[Row]) -> torch.Tensor | None:
         if all(r.soft is None for r in rows):
@@ -172,17 +176,12 @@ class Runner:
         return torch.cat([r.soft if r.soft is not None else torch.zeros_like(like) for r in rows])
 
     # -- 3./4. the vocab-wide head, the sampler, the decisions ------------------------------
-    def _sample(self, rows: list[Row], hidden: torch.Tensor) -> list[RowOutput]:
-        reading = [b for b, r in enumerate(rows) if r.plan.reads]
-        if not reading:
-            return self._decide(rows, hidden)
-        # A label read needs its first position's logits only: the head runs there alone, per row
-        # (a fixed shape: the same bits whatever shares the batch), not over canvas x vocabulary.
-        reads = [RowOutput(seq_id=rows[b].seq.seq_id, block_done=True, committed=None, preview=None,
-                           scores=self.adapter.read_scores(hidden[b:b + 1], list(rows[b].plan.reads)))
-                 for b in reading]
-        keep = [b for b in range(len(rows)) if not rows[b].plan.reads]
-        return reads + (self._decide([rows[b] for b in keep], hidden[keep]) if keep else [])
+    def _read(self, rows: list[Row], hidden: torch.Tensor) -> list[RowOutput]:
+        """Label reads: the head on each row's first position alone (a fixed shape per row: the
+        same bits whatever shares the batch), not over canvas x vocabulary."""
+        return [RowOutput(seq_id=r.seq.seq_id, block_done=True, committed=None, preview=None,
+                          scores=self.adapter.read_scores(hidden[b:b + 1], list(r.plan.reads)))
+                for b, r in enumerate(rows)]
 
     def _decide(self, rows: list[Row], hidden: torch.Tensor) -> list[RowOutput]:
         steps_left = [r.bp.max_denoising_steps - r.seq.step for r in rows]
