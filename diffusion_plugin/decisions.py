@@ -4,10 +4,10 @@ request and response shape), read by tandem's batcher.
 A probe (``tandem_core.label_reads``) is a sequence whose prompt is the question's prompt plus
 a label's prefix, and whose one block is a read-only pass (``request.Sequence.read_ids``): a
 canvas of noise that depends on the position only, read once at temperature 1, the candidates'
-log-softmax taken at its first position, nothing committed. vLLM's DiffusionGemma strategy reads
-the same slot on a 16-wide canvas; here the read takes the model's whole canvas, the only width
-the batcher runs (rows of one forward share it), so a probe is one row of the running batch,
-batched with other traffic like any block. The probes of a question share its prompt's KV
+log-softmax taken at its first position, nothing committed. Like vLLM's DiffusionGemma strategy,
+the read runs on a 16-wide canvas (``request.READ_CANVAS``): the reads of a step share one decoder
+forward of their own, beside the step's other rows, and the head runs on the first position
+alone. The probes of a question share its prompt's KV
 through the prefix cache (fast mode). A read is batch-invariant in fast mode: the same request
 gives the same probabilities whatever shares the batch.
 
@@ -54,13 +54,13 @@ class DiffusionReader:
         intake = self.engine.intake
         shown, sources = extract_images(messages, self.engine.image_limits)
         if not sources:
-            return list(intake._prompt_ids(messages, None, template_kwargs=self.template_kwargs))
+            return list(intake.prompt_ids(messages, None, template_kwargs=self.template_kwargs))
         key = json.dumps([p for m in messages if isinstance(m.get("content"), list) for p in m["content"]
                           if p.get("type") == "image_url"])
         if key not in self._encoded:  # one vision pass per distinct set of images in the request
-            self._encoded[key] = asyncio.ensure_future(intake._images(messages))
+            self._encoded[key] = asyncio.ensure_future(intake.images(messages))
         images = (await self._encoded[key])[1]
-        ids = intake._prompt_ids(shown, None, template_kwargs=self.template_kwargs)
+        ids = intake.prompt_ids(shown, None, template_kwargs=self.template_kwargs)
         try:
             ids = self.engine.adapter.expand_image_tokens(ids, images.num_soft_tokens)
         except ValueError as e:
@@ -77,10 +77,7 @@ class DiffusionReader:
             seqs.append(Sequence(seq_id=f"{self.request_id}-r{self._n}", prompt_ids=list(p.prompt_ids), params=knobs,
                                  read_ids=tuple(p.candidates), cache_salt=salt, priority=self.priority,
                                  images=self._images.get(tuple(p.prompt_ids[:p.prompt_len]))))
-        loop, running = self.engine.loop, self.engine._requests
-        running.setdefault(self.request_id, []).extend(s.seq_id for s in seqs)
-        try:
-            queue = loop.submit(*seqs)
+        async with self.engine.submitted(self.request_id, seqs) as queue:
             left = len(seqs)
             while left:
                 ev = await queue.get()
@@ -89,10 +86,6 @@ class DiffusionReader:
                     if ev.seq.status is not SeqStatus.FINISHED_LENGTH:
                         raise TandemError(ErrorKind.ENGINE_ERROR, f"a label read ended {ev.seq.status.name.lower()}"
                                           + (f": {ev.seq.error}" if ev.seq.error else ""))
-        finally:
-            for s in seqs:
-                if not s.status.finished:
-                    loop.abort(s.seq_id)
         out = []
         for p, s in zip(probes, seqs, strict=True):
             top = next((c for c, sc in zip(p.candidates, s.scores, strict=True) if sc.rank == 1), -1)
@@ -110,8 +103,6 @@ async def _once(engine, body, request_id, handle) -> AsyncIterator[Item]:
         out = await handle(engine, body, request_id)
     except TandemError as e:
         out = e
-    finally:
-        engine._requests.pop(request_id, None)
     yield out
 
 

@@ -7,8 +7,9 @@ replace semantics) come between them. Routes: ``chat``, ``completions``, ``respo
 and which are refused (400 naming the field), the logprobs definition and temperature 0's seed:
 ``diffusion_plugin.params``.
 
-This module is the glue between requests and the loop: a request is adapted by
-``diffusion_plugin.intake`` (body -> ``SeqRequest``), its sequences are submitted to the
+This module is the glue between requests and the loop: every generation route's request is
+prepared by ``diffusion_plugin.prepare`` (body -> a typed ``Prepared``: the route's body model,
+its ``SeqRequest``, structured output and parsers), its sequences are submitted to the
 ``DiffusionLoop`` with one queue for all of them, ``generate`` turns the loop's events into
 choice events, and ``diffusion_plugin.chunks`` (or ``.responses``) builds the answer.
 """
@@ -17,13 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import asdict
 from typing import Any
 
-from diffusion_plugin import params as P
 from diffusion_plugin.chunks import ChoiceText, Delta, End, Entry, Event, Preview, Prompt, Usage, openai_items
 from diffusion_plugin.decisions import serve as serve_decisions
 from diffusion_plugin.engine_args import DiffusionEngineArgs
@@ -32,14 +31,15 @@ from diffusion_plugin.loop import DiffusionLoop, EventKind
 from diffusion_plugin.memory import GIB, PAGE_TOKENS, MemoryBudget, host_available_bytes
 from diffusion_plugin.memory import plan as memory_plan
 from diffusion_plugin.parsing import Parsers
+from diffusion_plugin.prepare import Preparer
 from diffusion_plugin.request import SeqStatus
 from diffusion_plugin.scheduler import Scheduler
 from diffusion_plugin.spans import SeqSpans
-from diffusion_plugin.structured import Structured, bind, resolve, wanted, warm_structured
+from diffusion_plugin.structured import warm_structured
 from diffusion_plugin.token_text import TextOffsets, token_string
 from diffusion_plugin.vllm_names import RequestHistograms, vllm_exposition
 from tandem_core import tracing
-from tandem_core.errors import ErrorKind, TandemError, invalid
+from tandem_core.errors import ErrorKind, TandemError
 from tandem_core.protocol import EngineInfo, EngineStats, Item
 
 logger = logging.getLogger(__name__)
@@ -66,8 +66,7 @@ class DiffusionEngine:
         self._kv_cache_tokens: int | None = None  # the prefix cache's capacity, known once started
         self.intake: Intake | None = None
         self._requests: dict[str, list[str]] = {}
-        self._compiler = None  # grammar.GrammarCompiler, made at the first structured output
-        self._compiler_lock = threading.Lock()
+        self.preparer: Preparer | None = None  # every generation route's way in, once started
 
     async def start(self) -> EngineInfo:
         from diffusion_plugin.families import load_adapter
@@ -102,7 +101,8 @@ class DiffusionEngine:
         scheduler = Scheduler(self.max_batch, adapter.canvas_length, self.row_boundaries, memory=memory)
         self.intake = Intake(self.model, adapter, self.image_limits, scheduler, memory)
         # vLLM's parsers for tool_choice "auto" and reasoning: a name vLLM does not know fails here.
-        self.parsers = Parsers(adapter.tokenizer, self.args.tool_call_parser, self.args.reasoning_parser)
+        self.preparer = Preparer(adapter, self.intake, Parsers(adapter.tokenizer, self.args.tool_call_parser,
+                                                               self.args.reasoning_parser))
         self.loop = DiffusionLoop(scheduler, runner, RequestHistograms(adapter.max_position), _spans(runner))
         self.loop.start()
         extra = {"canvas_length": adapter.canvas_length, "max_batch": self.max_batch,
@@ -153,66 +153,19 @@ class DiffusionEngine:
 
     async def _serve(self, body: dict, request_id: str, chat: bool) -> AsyncIterator[Item]:
         try:
-            parsing = None
-            if chat:
-                req = P.parse(P.ChatBody, body)
-                structured, grammar = await self.constraint(body, "chat")
-                sreq = await self.intake.chat(req)
-                parsing = await self.parsing(body, "chat", structured, sreq)
-            else:
-                req = P.parse(P.CompletionBody, body)
-                structured, grammar = await self.constraint(body, "completions")
-                sreq = await self.intake.completion(req)
-            bind(sreq, grammar)
+            p = await self.preparer.prepare(body, "chat" if chat else "completions")
         except TandemError as e:
             yield e
             return
+        req, sreq = p.body, p.request
         items = openai_items(self.generate(request_id, sreq), chat=chat, request_id=request_id, model=self.model,
                              tokenizer=self.adapter.tokenizer, n=sreq.choices, stream=req.stream,
-                             include_usage=req.include_usage(), top_logprobs=sreq.logprobs, structured=structured,
-                             parsing=parsing,
+                             include_usage=req.include_usage(), top_logprobs=sreq.logprobs, structured=p.structured,
+                             parsing=p.parsing,
                              continuous_usage=sum(map(len, sreq.prompts)) if req.continuous_usage() else None)
         async with aclosing(items):
             async for item in items:
                 yield item
-
-    async def constraint(self, body: dict, route: str) -> tuple[Structured | None, object | None]:
-        """The request's structured output (``diffusion_plugin.structured``) and its compiled
-        grammar, or (None, None). Raises ``TandemError`` (400) for what cannot be served."""
-        if not wanted(body):
-            return None, None
-        if body.get("tools") and body.get("tool_choice") in (None, "auto") and not self.parsers.auto_tools:
-            raise invalid('"auto" tool choice needs the model\'s tool parser (engine_args.tool_call_parser), '
-                          'which this diffusion model has not set; use tool_choice "required", a named '
-                          'function or "none"', param="tool_choice")
-        structured = await asyncio.to_thread(resolve, body, route)
-        if structured is None:
-            return None, None
-        return structured, await asyncio.to_thread(self._compile, structured)
-
-    async def parsing(self, body: dict, route: str, structured: Structured | None, sreq: SeqRequest):
-        """The request's parsing by the model's parsers (``diffusion_plugin.parsing``), or None: none
-        configured, or the output is constrained tool calls (``tool_choice`` required or named)."""
-        if not self.parsers.configured or (structured is not None and structured.tool_mode):
-            return None
-        from diffusion_plugin.structured import request_errors
-
-        with request_errors(body):
-            parsing = await asyncio.to_thread(self.parsers.for_request, body, route, sreq.prompt_ids)
-        sreq.raw_text = parsing is not None
-        return parsing
-
-    def _compile(self, structured: Structured):
-        from diffusion_plugin.grammar import GrammarCompiler
-
-        with self._compiler_lock:
-            if self._compiler is None:
-                self._compiler = GrammarCompiler(self.adapter.tokenizer, self.adapter.vocab_size,
-                                                 self.adapter.eos_token_ids)
-        try:
-            return self._compiler.compile(structured.kind, structured.spec)
-        except Exception as e:  # noqa: BLE001 - xgrammar's refusal of the client's spec
-            raise invalid(f"{structured.param}: the grammar cannot be compiled: {e}", param=structured.param) from None
 
     async def generate(self, request_id: str, sreq: SeqRequest) -> AsyncGenerator[Event, None]:
         """The request's sequences run: yields ``Preview``, ``Delta`` and ``End`` per choice, then
@@ -225,9 +178,7 @@ class DiffusionEngine:
                             keep_special=sreq.keep_special) for _ in seqs]
         prompts = [sreq.prompts[i // sreq.n] if (sreq.echo or sreq.prompt_logprobs) else None for i in range(len(seqs))]
         shift = [0] * len(seqs)  # echo: the prompt's text comes first, so the output's offsets move by it
-        self._requests[request_id] = list(index)
-        try:
-            queue = self.loop.submit(*seqs)
+        async with self.submitted(request_id, seqs) as queue:
             left = len(seqs)
             while left:
                 ev = await queue.get()
@@ -262,11 +213,22 @@ class DiffusionEngine:
                 cached = sum(max(s.cached_tokens for s in seqs[p * sreq.n:(p + 1) * sreq.n])
                              for p in range(len(sreq.prompts)))
             yield Usage(sum(map(len, sreq.prompts)), sum(t.num_tokens for t in texts), cached)  # each prompt once
+
+    @asynccontextmanager
+    async def submitted(self, request_id: str, seqs: list) -> AsyncIterator[asyncio.Queue]:
+        """The loop runs ``seqs`` for ``request_id`` (``abort(request_id)`` reaches them) and the
+        context gives their event queue; on exit, whatever of them still runs is aborted."""
+        ids = self._requests.setdefault(request_id, [])
+        ids.extend(s.seq_id for s in seqs)
+        try:
+            yield self.loop.submit(*seqs)
         finally:
             for s in seqs:
                 if not s.status.finished:
                     self.loop.abort(s.seq_id)
-            self._requests.pop(request_id, None)
+                ids.remove(s.seq_id)
+            if not ids:
+                self._requests.pop(request_id, None)
 
     # -- the Responses API, tokenize, detokenize ------------------------------------------------
     def responses(self, body: dict, request_id: str) -> AsyncIterator[Item]:

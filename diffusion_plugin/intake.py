@@ -24,7 +24,7 @@ from tandem_core.errors import ErrorKind, TandemError, invalid
 DEFAULT_MAX_TOKENS = 256
 
 
-@dataclass
+@dataclass(frozen=True)
 class SeqRequest:
     """One request as the batcher sees it: its sequences share all of this (``n`` per prompt)."""
 
@@ -101,8 +101,8 @@ class Intake:
                        template_kwargs: dict | None = None) -> SeqRequest:
         images, more = None, []
         if messages is not None:
-            messages, images = await self._images(messages)
-            prompt_ids = self._prompt_ids(messages, None, tools, template_kwargs)
+            messages, images = await self.images(messages)
+            prompt_ids = self.prompt_ids(messages, None, tools, template_kwargs)
         else:
             prompt_ids, *more = self._completion_prompts(req.prompt)
         if images is not None:
@@ -178,12 +178,12 @@ class Intake:
         """Completions' ``prompt`` in every form vLLM takes: a string, a list of strings, token ids,
         or a list of token-id lists -> one token-id list per prompt."""
         if isinstance(prompt, str):
-            return [self._prompt_ids(None, prompt)]
+            return [self.prompt_ids(None, prompt)]
         if prompt and all(isinstance(t, int) for t in prompt):
             return [self._token_prompt(prompt, "prompt")]
         if len(prompt) > P.MAX_PROMPTS:
             raise invalid(f"prompt: at most {P.MAX_PROMPTS} prompts in one request", param="prompt")
-        return [self._prompt_ids(None, p) if isinstance(p, str) else self._token_prompt(p, f"prompt.{i}")
+        return [self.prompt_ids(None, p) if isinstance(p, str) else self._token_prompt(p, f"prompt.{i}")
                 for i, p in enumerate(prompt)]
 
     def _token_prompt(self, ids: list[int], where: str, param: str = "prompt") -> list[int]:
@@ -193,8 +193,9 @@ class Intake:
             raise invalid(f"{where}: token id {bad} is out of vocabulary (size {vocab})", param=param)
         return list(ids)
 
-    def _prompt_ids(self, messages: list | None, prompt: str | None, tools: list | None = None,
-                    template_kwargs: dict | None = None) -> list[int]:
+    def prompt_ids(self, messages: list | None, prompt: str | None, tools: list | None = None,
+                   template_kwargs: dict | None = None) -> list[int]:
+        """The prompt's token ids: ``messages`` through the chat template, else ``prompt`` as text."""
         tok = self.adapter.tokenizer
         if messages is not None:
             messages = _with_argument_dicts(messages)
@@ -207,7 +208,7 @@ class Intake:
                 raise invalid(f"messages: cannot apply the chat template: {e}", param="messages") from None
         return tok(prompt).input_ids
 
-    async def _images(self, messages: list) -> tuple[list, object | None]:
+    async def images(self, messages: list) -> tuple[list, object | None]:
         """The messages with image parts as placeholders, and the request's encoded images (None
         without any). Decoding and the vision tower run in a worker thread, not in the denoise
         loop: a large image delays its own request, not the other sequences' steps."""

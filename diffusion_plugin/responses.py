@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from diffusion_plugin import params as P
 from diffusion_plugin.chunks import Delta, End, Preview
-from diffusion_plugin.structured import ToolCallStream, bind, tool_calls_from_text
+from diffusion_plugin.structured import ToolCallStream, tool_calls_from_text
 from tandem_core.errors import TandemError, invalid
 
 
@@ -165,15 +165,11 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
 
 async def serve_responses(engine, body: dict, request_id: str) -> AsyncIterator:
     try:
-        req = P.parse(ResponsesBody, body, NEUTRAL)
-        tools = chat_tools(req.tools)
-        structured, grammar = await engine.constraint(body, "responses")
-        sreq = await engine.intake.responses(req, to_messages(req), tools)
-        bind(sreq, grammar)
-        parsing = await engine.parsing(body, "responses", structured, sreq)
+        p = await engine.preparer.prepare(body, "responses")
     except TandemError as e:
         yield e
         return
+    req, sreq, structured, parsing = p.body, p.request, p.structured, p.parsing
     tool_mode = structured.tool_mode if structured is not None else None
     rid = request_id if request_id.startswith("resp_") else f"resp_{request_id}"
     created = int(time.time())

@@ -213,16 +213,3 @@ class ToolCallStream:
         self.any = True
         return [tc.model_dump(exclude_none=True) for tc in message.tool_calls]
 
-
-def bind(sreq, grammar) -> None:
-    """A request's compiled grammar (or None) onto it, on every route (chat, completions,
-    Responses). What a grammar cannot be served with is refused: it decides every token, so a
-    seed canvas or a ``min_tokens`` would be overridden (or unsatisfiable)."""
-    sreq.grammar = grammar
-    if grammar is None:
-        return
-    clash = next((f for f in ("seed_canvas", "min_tokens") if sreq.sampling.get(f)), None)
-    if clash is not None:
-        param = "diffusion.seed_canvas" if clash == "seed_canvas" else clash
-        raise invalid(f"{param}: not served with a structured output on diffusion models (the grammar decides "
-                      f"every token)", param=param)

@@ -22,10 +22,11 @@ PROBES_PER_CALL = 64  # probes in flight at once, at least (vLLM's /v1/systemone
 
 
 class VllmReader:
-    """``tandem_core.label_reads.Reader`` over a started ``VllmEngine``."""
+    """``tandem_core.label_reads.Reader`` over a started ``VllmEngine``'s AsyncLLM and serving
+    state (``init_app_state``'s)."""
 
-    def __init__(self, engine, request_id: str, priority: int = 0):
-        self.llm, self.state = engine._llm, engine._state
+    def __init__(self, llm, state, request_id: str, priority: int = 0):
+        self.llm, self.state = llm, state
         # As many probes in flight as the engine batches in one step (the rest would only queue)
         self.chunk = max(PROBES_PER_CALL, self.llm.vllm_config.scheduler_config.max_num_seqs or 0)
         self.tokenizer = self.llm.get_tokenizer()
@@ -78,14 +79,14 @@ class VllmReader:
         return out
 
 
-async def decisions(engine, body: dict, request_id: str) -> dict:
+async def decisions(llm, state, model: str, body: dict, request_id: str) -> dict:
     """OpenAI's ``Decision`` for ``body``. Raises TandemError."""
-    return await D.decide(body, engine.model, lambda priority: VllmReader(engine, request_id, priority))
+    return await D.decide(body, model, lambda priority: VllmReader(llm, state, request_id, priority))
 
 
-async def systemone(engine, request):
+async def systemone(state, request):
     """vLLM's ``/v1/systemone`` handler's call, as its route makes it (501 without a strategy)."""
-    handler = getattr(engine._state, "serving_structured_decisions", None)
+    handler = getattr(state, "serving_structured_decisions", None)
     if handler is None:  # as vLLM's route handler says
         raise NotImplementedError("The model does not support the structured decision API")
     return await handler.create_decision(request, None)

@@ -171,19 +171,12 @@ class VllmEngine:
         from vllm.entrypoints.generate.structured_decisions.protocol import StructuredDecisionRequest
 
         return self._serve(body, request_id, with_id(StructuredDecisionRequest), None,
-                           lambda r: vllm_decisions.systemone(self, r))
+                           lambda r: vllm_decisions.systemone(self._state, r))
 
-    async def decisions(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+    def decisions(self, body: dict, request_id: str) -> AsyncIterator[Item]:
         """OpenAI's /v1/decisions: label reads through vLLM (``workers.vllm_decisions``)."""
-        self._active.add(request_id)
-        try:
-            try:
-                out = await vllm_decisions.decisions(self, body, request_id)
-            except TandemError as e:
-                out = e
-            yield out
-        finally:
-            self._active.discard(request_id)
+        return self._serve(body, request_id, passthrough, None, lambda b: vllm_decisions.decisions(
+            self._llm, self._state, self.model, b, request_id))
 
     # vLLM's pooling routes (a pooling model: an embedding, classification or scoring one). Their
     # handlers answer a starlette response; its JSON body is the answer.
@@ -264,6 +257,9 @@ class VllmEngine:
                 result = await handle(request)
             except ValidationError as e:
                 yield validation_error(e)
+                return
+            except TandemError as e:  # tandem's own refusal (``decisions``), already framed
+                yield e
                 return
             except Exception as e:  # noqa: BLE001 - vLLM raises some request errors; map them as its server does
                 result = create_error_response(e)

@@ -1,0 +1,125 @@
+"""One request on the way in: ``Preparer.prepare`` turns a chat, completions or Responses body
+into a typed ``Prepared``, the same way for every route, before anything is queued.
+
+The steps, in order (each raises ``TandemError``, a 400 naming the field):
+1. the route's body model (``params.ChatBody``, ``params.CompletionBody``,
+   ``responses.ResponsesBody``): each field alone, and the rules within one field group;
+2. the structured output (``structured.resolve``, vLLM's request models) and its compiled
+   grammar (xgrammar, one compiler per engine, made at the first constrained request);
+3. the prompt and the effective knobs (``intake.Intake``: chat template, images, the context
+   length and the memory budget);
+4. the rules across those parts (``_across``): what a grammar cannot be served with;
+5. the model's parsers (``parsing.Parsers``: tool calls for ``tool_choice`` "auto", reasoning).
+
+A ``Prepared`` is not changed afterwards: the engine builds its sequences from ``request`` and
+the route's writer (``chunks.openai_items``, ``responses.serve_responses``) reads ``body``,
+``structured`` and ``parsing``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pydantic import BaseModel
+
+from diffusion_plugin import params as P
+from diffusion_plugin.intake import Intake, SeqRequest
+from diffusion_plugin.parsing import Parsers
+from diffusion_plugin.structured import Structured, request_errors, resolve, wanted
+from tandem_core.errors import invalid
+
+ROUTES = ("chat", "completions", "responses")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready to run: its route's validated body, the batcher's request, and its
+    output specs (a structured output, the model's parsers)."""
+
+    route: str  # one of ROUTES
+    body: BaseModel  # the route's body model
+    request: SeqRequest  # what the batcher's sequences are built from
+    structured: Structured | None  # a structured output (tool calls included), or None
+    parsing: Any | None  # ``parsing.Parsing`` for the model's parsers, or None
+
+
+class Preparer:
+    """Owns the grammar compiler (one per engine) and prepares every generation route's requests."""
+
+    def __init__(self, adapter, intake: Intake, parsers: Parsers):
+        self.adapter, self.intake, self.parsers = adapter, intake, parsers
+        self._compiler = None  # grammar.GrammarCompiler, made at the first structured output
+        self._compiler_lock = threading.Lock()
+
+    async def prepare(self, body: dict, route: str) -> Prepared:
+        """``body`` of ``route`` (one of ``ROUTES``) as a ``Prepared``. Raises ``TandemError``."""
+        if route == "chat":
+            req = P.parse(P.ChatBody, body)
+        elif route == "completions":
+            req = P.parse(P.CompletionBody, body)
+        else:
+            from diffusion_plugin.responses import NEUTRAL, ResponsesBody
+
+            req = P.parse(ResponsesBody, body, NEUTRAL)
+        structured, grammar = await self._constraint(body, route)
+        if route == "chat":
+            sreq = await self.intake.chat(req)
+        elif route == "completions":
+            sreq = await self.intake.completion(req)
+        else:
+            from diffusion_plugin.responses import chat_tools, to_messages
+
+            sreq = await self.intake.responses(req, to_messages(req), chat_tools(req.tools))
+        _across(sreq, grammar)
+        parsing = await self._parsing(body, route, structured, sreq)
+        sreq = replace(sreq, grammar=grammar, raw_text=parsing is not None)
+        return Prepared(route, req, sreq, structured, parsing)
+
+    async def _constraint(self, body: dict, route: str) -> tuple[Structured | None, object | None]:
+        """The request's structured output (``diffusion_plugin.structured``) and its compiled
+        grammar, or (None, None)."""
+        if not wanted(body):
+            return None, None
+        if body.get("tools") and body.get("tool_choice") in (None, "auto") and not self.parsers.auto_tools:
+            raise invalid('"auto" tool choice needs the model\'s tool parser (engine_args.tool_call_parser), '
+                          'which this diffusion model has not set; use tool_choice "required", a named '
+                          'function or "none"', param="tool_choice")
+        structured = await asyncio.to_thread(resolve, body, route)
+        if structured is None:
+            return None, None
+        return structured, await asyncio.to_thread(self._compile, structured)
+
+    async def _parsing(self, body: dict, route: str, structured: Structured | None, sreq: SeqRequest):
+        """The request's parsing by the model's parsers (``diffusion_plugin.parsing``), or None: none
+        configured, or the output is constrained tool calls (``tool_choice`` required or named)."""
+        if not self.parsers.configured or (structured is not None and structured.tool_mode):
+            return None
+        with request_errors(body):
+            return await asyncio.to_thread(self.parsers.for_request, body, route, sreq.prompt_ids)
+
+    def _compile(self, structured: Structured):
+        from diffusion_plugin.grammar import GrammarCompiler
+
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self.adapter.tokenizer, self.adapter.vocab_size,
+                                                 self.adapter.eos_token_ids)
+        try:
+            return self._compiler.compile(structured.kind, structured.spec)
+        except Exception as e:  # noqa: BLE001 - xgrammar's refusal of the client's spec
+            raise invalid(f"{structured.param}: the grammar cannot be compiled: {e}", param=structured.param) from None
+
+
+def _across(sreq: SeqRequest, grammar) -> None:
+    """The rules across a request's parts, on every route. A grammar decides every token, so a
+    seed canvas or a ``min_tokens`` would be overridden (or unsatisfiable): refused."""
+    if grammar is None:
+        return
+    clash = next((f for f in ("seed_canvas", "min_tokens") if sreq.sampling.get(f)), None)
+    if clash is not None:
+        param = "diffusion.seed_canvas" if clash == "seed_canvas" else clash
+        raise invalid(f"{param}: not served with a structured output on diffusion models (the grammar decides "
+                      f"every token)", param=param)
