@@ -3,15 +3,15 @@
 OpenAI in, OpenAI out: each committed block is an ordinary delta chunk (append-only); with
 ``"diffusion": {"previews": true}`` preview chunks (empty ``delta`` plus ``diffusion_preview``,
 replace semantics) come between them. Routes: ``chat``, ``completions``, ``responses``
-(``diffusion_plugin.responses``), ``tokenize``, ``detokenize``. Which OpenAI fields are honoured
+(``diffusion_plugin.api.responses``), ``tokenize``, ``detokenize``. Which OpenAI fields are honoured
 and which are refused (400 naming the field), the logprobs definition and temperature 0's seed:
-``diffusion_plugin.params``.
+``diffusion_plugin.api.params``.
 
 This module is the glue between requests and the loop: every generation route's request is
-prepared by ``diffusion_plugin.prepare`` (body -> a typed ``Prepared``: the route's body model,
+prepared by ``diffusion_plugin.api.prepare`` (body -> a typed ``Prepared``: the route's body model,
 its ``SeqRequest``, structured output and parsers), its sequences are submitted to the
 ``DiffusionLoop`` with one queue for all of them, ``generate`` turns the loop's events into
-choice events, and ``diffusion_plugin.chunks`` (or ``.responses``) builds the answer.
+choice events, and ``diffusion_plugin.api.chunks`` (or ``.responses``) builds the answer.
 """
 
 from __future__ import annotations
@@ -23,21 +23,21 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import asdict
 from typing import Any
 
-from diffusion_plugin.chunks import ChoiceText, Delta, End, Entry, Event, Preview, Prompt, Usage, openai_items
-from diffusion_plugin.decisions import serve as serve_decisions
+from diffusion_plugin.api.chunks import ChoiceText, Delta, End, Entry, Event, Preview, Prompt, Usage, openai_items
+from diffusion_plugin.api.decisions import serve as serve_decisions
+from diffusion_plugin.api.intake import Intake, SeqRequest
+from diffusion_plugin.api.parsing import Parsers
+from diffusion_plugin.api.prepare import Preparer
+from diffusion_plugin.api.structured import warm_structured
+from diffusion_plugin.api.token_text import TextOffsets, token_string
+from diffusion_plugin.batcher.loop import DiffusionLoop, EventKind
+from diffusion_plugin.batcher.memory import GIB, PAGE_TOKENS, MemoryBudget, host_available_bytes
+from diffusion_plugin.batcher.memory import plan as memory_plan
+from diffusion_plugin.batcher.request import SeqStatus
+from diffusion_plugin.batcher.scheduler import Scheduler
+from diffusion_plugin.batcher.spans import SeqSpans
+from diffusion_plugin.batcher.vllm_names import RequestHistograms, vllm_exposition
 from diffusion_plugin.engine_args import DiffusionEngineArgs
-from diffusion_plugin.intake import Intake, SeqRequest
-from diffusion_plugin.loop import DiffusionLoop, EventKind
-from diffusion_plugin.memory import GIB, PAGE_TOKENS, MemoryBudget, host_available_bytes
-from diffusion_plugin.memory import plan as memory_plan
-from diffusion_plugin.parsing import Parsers
-from diffusion_plugin.prepare import Preparer
-from diffusion_plugin.request import SeqStatus
-from diffusion_plugin.scheduler import Scheduler
-from diffusion_plugin.spans import SeqSpans
-from diffusion_plugin.structured import warm_structured
-from diffusion_plugin.token_text import TextOffsets, token_string
-from diffusion_plugin.vllm_names import RequestHistograms, vllm_exposition
 from tandem_core import tracing
 from tandem_core.errors import ErrorKind, TandemError
 from tandem_core.protocol import EngineInfo, EngineStats, Item
@@ -70,7 +70,7 @@ class DiffusionEngine:
 
     async def start(self) -> EngineInfo:
         from diffusion_plugin.families import load_adapter
-        from diffusion_plugin.runner import Runner
+        from diffusion_plugin.step.runner import Runner
 
         adapter = await asyncio.to_thread(load_adapter, self.args.family, self.source, self.args.load_dtype,
                                           device=self.device, num_threads=self.args.num_threads)
@@ -124,7 +124,7 @@ class DiffusionEngine:
         if self.memory_budget_gib is None and self._device_pool():
             import torch
 
-            from diffusion_plugin.kv_view import free_bytes
+            from diffusion_plugin.step.kv_view import free_bytes
 
             free = free_bytes(torch.device(self.device))
         elif self.memory_budget_gib is None:
@@ -232,7 +232,7 @@ class DiffusionEngine:
 
     # -- the Responses API, tokenize, detokenize ------------------------------------------------
     def responses(self, body: dict, request_id: str) -> AsyncIterator[Item]:
-        from diffusion_plugin.responses import serve_responses
+        from diffusion_plugin.api.responses import serve_responses
 
         return serve_responses(self, body, request_id)
 

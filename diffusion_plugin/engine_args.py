@@ -12,9 +12,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from diffusion_plugin.api.images import ImageLimits
+from diffusion_plugin.batcher.memory import KV_FRACTION
 from diffusion_plugin.families import ADAPTERS
-from diffusion_plugin.images import ImageLimits
-from diffusion_plugin.memory import KV_FRACTION
 
 _IMAGES = ImageLimits()
 

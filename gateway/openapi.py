@@ -8,7 +8,7 @@ that fits the schema is one tandem should answer without a 5xx.
 
 from __future__ import annotations
 
-from diffusion_plugin.params import knobs_schema
+from diffusion_plugin.api.params import knobs_schema
 from tandem_core.config import LimitsConfig
 
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
@@ -33,7 +33,7 @@ _STOP = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items"
                                                           "maxItems": 4}, {"type": "null"}]}
 # The diffusion engine's own request schema (generated from ``DiffusionKnobs``), so the document
 # cannot drift from what the engine validates. Imported directly, not through
-# ``workers.registry``: ``diffusion_plugin.params`` imports no torch (a test checks), and a static
+# ``workers.registry``: ``diffusion_plugin.api.params`` imports no torch (a test checks), and a static
 # import is one the layering test sees.
 _DIFFUSION = knobs_schema()
 

@@ -68,7 +68,7 @@ def _count(row: list[int], eos: set[int], max_tokens: int) -> int:
 
 
 def _params(adapter, max_tokens: int, steps: int, seed: int):
-    from diffusion_plugin.request import SamplingParams
+    from diffusion_plugin.batcher.request import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, seed=seed, eos_token_ids=adapter.eos_token_ids,
                           **{**adapter.defaults(), "max_denoising_steps": steps})
@@ -76,9 +76,9 @@ def _params(adapter, max_tokens: int, steps: int, seed: int):
 
 def run_tandem(adapter, sampler: str, prompts: list[list[int]], args, kv_budget: int, rowwise: bool = False) -> dict:
     """All prompts submitted at once, ``max_batch`` = their count: tokens/s, s/step, memory."""
-    from diffusion_plugin.request import Sequence
-    from diffusion_plugin.runner import Runner
-    from diffusion_plugin.scheduler import Scheduler
+    from diffusion_plugin.batcher.request import Sequence
+    from diffusion_plugin.batcher.scheduler import Scheduler
+    from diffusion_plugin.step.runner import Runner
 
     c = len(prompts)
     sched = Scheduler(max_batch=c, canvas_length=adapter.canvas_length)
@@ -168,9 +168,9 @@ def _shared_ids(n: int, seed: int, vocab: int) -> list[int]:
 
 def run_prefix(adapter, prompts: list[list[int]], cache: bool, args) -> dict:
     """One request first, the rest together once it has its first block: TTFT and tokens computed."""
-    from diffusion_plugin.request import Sequence
-    from diffusion_plugin.runner import Runner
-    from diffusion_plugin.scheduler import Scheduler
+    from diffusion_plugin.batcher.request import Sequence
+    from diffusion_plugin.batcher.scheduler import Scheduler
+    from diffusion_plugin.step.runner import Runner
 
     sched = Scheduler(max_batch=len(prompts), canvas_length=adapter.canvas_length)
     runner = Runner(adapter, sampler="fast", kv_budget_bytes=int(args.kv_budget_gib * GIB), prefix_cache=cache)

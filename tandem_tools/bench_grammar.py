@@ -61,7 +61,7 @@ def compile_schema(vocab: list[str], eos: int):
     """The schema compiled as the engine compiles one (``GrammarCompiler``), over ``vocab``."""
     import xgrammar as xgr
 
-    from diffusion_plugin.grammar import GrammarCompiler
+    from diffusion_plugin.step.grammar import GrammarCompiler
 
     info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[eos])
     compiler = GrammarCompiler(None, len(vocab), (eos,), info=info)
@@ -74,9 +74,9 @@ def run_setup(adapter, sampler: str, c: int, grammar, args, vocab: list[str]) ->
     """``c`` sequences to the end (each ``max_tokens`` or the schema's end); timings and checks."""
     import jsonschema
 
-    from diffusion_plugin.request import SamplingParams, Sequence
-    from diffusion_plugin.runner import Runner
-    from diffusion_plugin.scheduler import Scheduler
+    from diffusion_plugin.batcher.request import SamplingParams, Sequence
+    from diffusion_plugin.batcher.scheduler import Scheduler
+    from diffusion_plugin.step.runner import Runner
 
     sched = Scheduler(max_batch=c, canvas_length=adapter.canvas_length, row_boundaries=False)
     runner, seqs = Runner(adapter, sampler, chunk_rows=1), {}

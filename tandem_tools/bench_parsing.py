@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoTokenizer
 
-    from diffusion_plugin.chunks import ChoiceText
-    from diffusion_plugin.parsing import Parsers
+    from diffusion_plugin.api.chunks import ChoiceText
+    from diffusion_plugin.api.parsing import Parsers
     from workers import tiny_models
 
     tok = AutoTokenizer.from_pretrained(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA))

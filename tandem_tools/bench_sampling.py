@@ -36,9 +36,9 @@ VARIANTS = {
 
 
 def run_setup(adapter, sampler: str, c: int, fields: dict, args) -> dict:
-    from diffusion_plugin.request import SamplingParams, Sequence
-    from diffusion_plugin.runner import Runner
-    from diffusion_plugin.scheduler import Scheduler
+    from diffusion_plugin.batcher.request import SamplingParams, Sequence
+    from diffusion_plugin.batcher.scheduler import Scheduler
+    from diffusion_plugin.step.runner import Runner
 
     sched = Scheduler(max_batch=c, canvas_length=adapter.canvas_length, row_boundaries=False)
     runner, seqs = Runner(adapter, sampler, chunk_rows=1), {}
@@ -71,9 +71,9 @@ def drive(sched, runner, seqs) -> dict:
 
 def run_scoring(adapter, sampler: str, prompt_len: int, scored: bool, args) -> dict:
     """One prompt: read in score blocks (max_tokens 0), or encoded at once and one block generated."""
-    from diffusion_plugin.request import SamplingParams, Sequence
-    from diffusion_plugin.runner import Runner
-    from diffusion_plugin.scheduler import Scheduler
+    from diffusion_plugin.batcher.request import SamplingParams, Sequence
+    from diffusion_plugin.batcher.scheduler import Scheduler
+    from diffusion_plugin.step.runner import Runner
 
     prompt = [(13 * j) % 1000 + 6 for j in range(prompt_len)]
     params = SamplingParams(max_tokens=0 if scored else adapter.canvas_length, seed=3, eos_token_ids=(),
@@ -89,9 +89,9 @@ def run_scoring(adapter, sampler: str, prompt_len: int, scored: bool, args) -> d
 def micro(adapter, rounds: int) -> list[dict]:
     import torch
 
-    from diffusion_plugin import filters
-    from diffusion_plugin.attention import MIN_EXPONENT
-    from diffusion_plugin.request import SamplingParams
+    from diffusion_plugin.batcher.request import SamplingParams
+    from diffusion_plugin.step import filters
+    from diffusion_plugin.step.attention import MIN_EXPONENT
 
     C, V = adapter.canvas_length, adapter.vocab_size
     g = torch.Generator().manual_seed(0)

@@ -11,9 +11,9 @@ class Steps:
 
     def __init__(self, adapter, rows: int, sampler: str = "fast", compiled: bool = False, prompt_len: int = 16,
                  grow: int = 0, max_tokens: int | None = None):
-        from diffusion_plugin.request import SamplingParams, Sequence
-        from diffusion_plugin.runner import Runner
-        from diffusion_plugin.scheduler import Scheduler
+        from diffusion_plugin.batcher.request import SamplingParams, Sequence
+        from diffusion_plugin.batcher.scheduler import Scheduler
+        from diffusion_plugin.step.runner import Runner
 
         self.rows = rows
         self.sched = Scheduler(max_batch=rows, canvas_length=adapter.canvas_length)

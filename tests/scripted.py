@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from diffusion_plugin.batch import RowOutput, StepOutput
+from diffusion_plugin.batcher.batch import RowOutput, StepOutput
 from diffusion_plugin.engine import DiffusionEngine
 from tandem_core.protocol import DONE
 from workers.tiny_models.diffusiongemma import END_OF_TURN

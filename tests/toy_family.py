@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from diffusion_plugin.memory import MemoryShape
+from diffusion_plugin.batcher.memory import MemoryShape
 
 CANVAS, HIDDEN = 8, 16
 

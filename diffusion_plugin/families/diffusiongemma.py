@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from diffusion_plugin import gemm, kv_view
-from diffusion_plugin.attention import ATTN_NAME, ENCODE, EncodeCacheView, EncodeSpec, register
+from diffusion_plugin.batcher.memory import MemoryShape
 from diffusion_plugin.families import diffusiongemma_moe as moe
 from diffusion_plugin.families import diffusiongemma_vocab as vocab
-from diffusion_plugin.memory import MemoryShape
+from diffusion_plugin.step import gemm, kv_view
+from diffusion_plugin.step.attention import ATTN_NAME, ENCODE, EncodeCacheView, EncodeSpec, register
 
 # The self-conditioning soft embeddings of the current decoder forward (see decode_hidden).
 SOFT: ContextVar[torch.Tensor | None] = ContextVar("tandem_soft", default=None)

@@ -24,10 +24,10 @@ import logging
 
 import torch
 
-from diffusion_plugin import filters
-from diffusion_plugin.attention import MIN_EXPONENT, TINY_EXP
-from diffusion_plugin.batch import Pins
-from diffusion_plugin.request import SamplingParams, Score
+from diffusion_plugin.batcher.batch import Pins
+from diffusion_plugin.batcher.request import SamplingParams, Score
+from diffusion_plugin.step import filters
+from diffusion_plugin.step.attention import MIN_EXPONENT, TINY_EXP
 
 logger = logging.getLogger(__name__)
 CDF_BLOCK = 512  # the inverse CDF finds a block of this many ids first, then the id inside it
@@ -122,12 +122,12 @@ def pin_scores(x: torch.Tensor, log_total: torch.Tensor, pins: Pins) -> list[Sco
 @torch.no_grad()
 def exact_row_constrained(model, hidden: torch.Tensor, p: SamplingParams, steps_left: int,
                           generator: torch.Generator, grammar, produced: int = 0):
-    """``exact_row`` for a row under a grammar (``diffusion_plugin.grammar``): HF's expressions
+    """``exact_row`` for a row under a grammar (``diffusion_plugin.step.grammar``): HF's expressions
     and random draws in HF's order (so its generator advances as an unconstrained row's), the
     argmax and the multinomial (argmax of probs / Exp(1) noise) restricted position by position
     to what the grammar allows, then softmax, soft embedding, entropy and logprobs of the
     distribution masked by the argmax canvas's masks. Not HF's (HF has no grammar)."""
-    from diffusion_plugin.grammar import masked_argmax
+    from diffusion_plugin.step.grammar import masked_argmax
 
     cap = model.final_logit_softcapping
     processed = model.lm_head(hidden).to(torch.float32)
@@ -165,7 +165,7 @@ def exact_row_constrained(model, hidden: torch.Tensor, p: SamplingParams, steps_
 def xgr_apply(logits: torch.Tensor, masks: torch.Tensor) -> None:
     """-inf, in place, wherever a position's mask (one row of ``masks`` per row of ``logits``)
     refuses a token (xgrammar's CPU kernel took 4x as long at the real shape)."""
-    from diffusion_plugin.grammar import refused
+    from diffusion_plugin.step.grammar import refused
 
     logits.masked_fill_(refused(masks, logits.shape[-1]).to(logits.device), float("-inf"))
 
@@ -324,7 +324,7 @@ def _fast_draft(grammar, x: torch.Tensor, e: torch.Tensor, uniform: torch.Tensor
     (``e``, the row's exponent buffer, as scratch) are taken where the grammar allows them; else
     the argmax over the allowed ids, or a draw from the allowed ids' renormalised probabilities
     with the position's second uniform."""
-    from diffusion_plugin.grammar import masked_argmax
+    from diffusion_plugin.step.grammar import masked_argmax
 
     top, argmax = x.max(dim=-1)
     torch.sub(x, top[:, None], out=e).clamp_(min=MIN_EXPONENT).exp_()

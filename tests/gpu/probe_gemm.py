@@ -27,7 +27,7 @@ def dense(device: str, H: int, out_dim: int, sizes=range(1, 17)) -> dict:
     out["differs_at_B"] = [b for b in sizes if _differs(ref, torch.nn.functional.linear(x[:b * C], w)[:C])]
     out["differs_at_B_3d"] = [b for b in sizes
                               if _differs(ref, torch.nn.functional.linear(x[:b * C].view(b, C, H), w)[0])]
-    from diffusion_plugin.gemm import bmm_blocks  # fast mode's form: one bmm over the rows (>= 2)
+    from diffusion_plugin.step.gemm import bmm_blocks  # fast mode's form: one bmm over the rows (>= 2)
 
     alone = bmm_blocks(x[:C].view(1, C, H), w.t())[0]
     out["bmm_rows_differs_at_B"] = [b for b in sizes if _differs(alone, bmm_blocks(x[:b * C].view(b, C, H), w.t())[0])]

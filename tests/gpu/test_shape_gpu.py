@@ -12,10 +12,10 @@ Run on a lent device: ``python -m pytest tests/gpu -q -rs -s`` (prints the memor
 import pytest
 import torch
 
+from diffusion_plugin.batcher.request import SamplingParams, Sequence
+from diffusion_plugin.batcher.scheduler import Scheduler
 from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
-from diffusion_plugin.request import SamplingParams, Sequence
-from diffusion_plugin.runner import Runner
-from diffusion_plugin.scheduler import Scheduler
+from diffusion_plugin.step.runner import Runner
 
 TEXTS = [
     "Hello there",
@@ -151,7 +151,7 @@ def test_prefix_cache_hits_equal_their_misses_on_gpu(adapter):
     run, give exactly the tokens each gives alone on an empty cache (a hit never changes a response)."""
     import random
 
-    from diffusion_plugin.memory import PAGE_TOKENS
+    from diffusion_plugin.batcher.memory import PAGE_TOKENS
 
     rng, vocab = random.Random(3), adapter.vocab_size
     ids = lambda n: [rng.randrange(vocab // 8, vocab - vocab // 8) for _ in range(n)]  # noqa: E731

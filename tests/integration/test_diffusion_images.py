@@ -13,10 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
+from diffusion_plugin.batcher.request import SamplingParams, Sequence
+from diffusion_plugin.batcher.scheduler import Scheduler
 from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
-from diffusion_plugin.request import SamplingParams, Sequence
-from diffusion_plugin.runner import Runner
-from diffusion_plugin.scheduler import Scheduler
+from diffusion_plugin.step.runner import Runner
 from workers import tiny_models
 
 MAX_TOKENS = 40  # 2 blocks of 32, truncated

@@ -8,10 +8,10 @@ for that prompt alone after seeding the same way, up to max_tokens or EOS.
 import pytest
 import torch
 
+from diffusion_plugin.batcher.request import SamplingParams, Sequence
+from diffusion_plugin.batcher.scheduler import Scheduler
 from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
-from diffusion_plugin.request import SamplingParams, Sequence
-from diffusion_plugin.runner import Runner
-from diffusion_plugin.scheduler import Scheduler
+from diffusion_plugin.step.runner import Runner
 from workers import tiny_models
 
 TEXTS = [

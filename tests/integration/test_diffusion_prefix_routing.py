@@ -5,7 +5,7 @@ prompt's pages, where its later requests hit (``cached_tokens``, the replicas' c
 import httpx
 import pytest
 
-from diffusion_plugin.memory import PAGE_TOKENS
+from diffusion_plugin.batcher.memory import PAGE_TOKENS
 from tests.integration.stack import REPO, running_stack
 from tests.unit.gateway_server import free_port
 from tests.waiting import wait_for

@@ -126,7 +126,7 @@ def test_chat_logprobs_consistent_with_the_tokens(stack, tokenizer):
 def test_completions_logprobs_shape(stack, tokenizer):
     """Holds for any output: parallel lists, one entry per token; offsets start at 0, never
     decrease and stay in the text; a token starts at its offset, unless the text there is an
-    undecodable byte run (``diffusion_plugin.token_text``); the stream's lists equal the whole's."""
+    undecodable byte run (``diffusion_plugin.api.token_text``); the stream's lists equal the whole's."""
     c = stack.client()
     r = c.completions.create(model=MODEL, prompt="The river", max_tokens=20, seed=2, logprobs=3)
     lp = r.choices[0].logprobs

@@ -1,8 +1,8 @@
 """Factories for the diffusion batcher's unit tests (no torch): sequences with small canvases,
 and a fake denoiser that drives a ``Scheduler`` through hand-built step outputs."""
 
-from diffusion_plugin.batch import RowOutput, StepOutput
-from diffusion_plugin.request import SamplingParams, Sequence
+from diffusion_plugin.batcher.batch import RowOutput, StepOutput
+from diffusion_plugin.batcher.request import SamplingParams, Sequence
 
 C = 4
 EOS = 99

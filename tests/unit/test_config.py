@@ -1,6 +1,6 @@
 import pytest
 
-from diffusion_plugin.images import ImageLimits
+from diffusion_plugin.api.images import ImageLimits
 from gateway.config import ConfigError, load_config, parse_config
 
 GOOD = {"models": [{"name": "m", "kind": "autoregressive", "source": "builtin:tiny-llama"}]}

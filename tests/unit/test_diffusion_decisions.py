@@ -1,4 +1,4 @@
-"""Label reads in the diffusion batcher (``diffusion_plugin.decisions``) on the real tiny model:
+"""Label reads in the diffusion batcher (``diffusion_plugin.api.decisions``) on the real tiny model:
 a read is one read-only row (nothing committed, the sequence ends after it), its log-softmax
 does not depend on what shares the batch (fast mode: other reads, generating rows), the same
 request twice gives the same answers, images are read with the questions, and vLLM's
@@ -13,7 +13,7 @@ import io
 import pytest
 import torch
 
-from diffusion_plugin.decisions import DiffusionReader
+from diffusion_plugin.api.decisions import DiffusionReader
 from diffusion_plugin.engine import DiffusionEngine
 from tandem_core.label_reads import Probe
 from workers import tiny_models

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from diffusion_plugin.batch import RowOutput, StepOutput
-from diffusion_plugin.chunks import ChoiceText
+from diffusion_plugin.api.chunks import ChoiceText
+from diffusion_plugin.batcher.batch import RowOutput, StepOutput
 from diffusion_plugin.engine import DiffusionEngine
 from tandem_core.errors import ErrorKind, TandemError
 from tandem_core.protocol import DONE

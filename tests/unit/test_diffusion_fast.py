@@ -4,12 +4,12 @@ without a per-row loop (fixed-shape expert GEMMs), KV read in place from a page 
 import pytest
 import torch
 
-from diffusion_plugin import attention, kv_view
+from diffusion_plugin.batcher.request import SamplingParams, Sequence
+from diffusion_plugin.batcher.scheduler import Scheduler
 from diffusion_plugin.families import diffusiongemma_moe as moe
 from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
-from diffusion_plugin.request import SamplingParams, Sequence
-from diffusion_plugin.runner import Runner
-from diffusion_plugin.scheduler import Scheduler
+from diffusion_plugin.step import attention, kv_view
+from diffusion_plugin.step.runner import Runner
 from tests.experts_cases import experts_case as _experts_case
 from tests.experts_cases import routed_tokens as _tokens
 from workers import tiny_models
@@ -129,7 +129,7 @@ def test_the_compiled_vocabulary_pass_matches_the_eager_one(adapter, caplog):
 
 
 def test_fast_draws_depend_only_on_seed_and_step(adapter):
-    from diffusion_plugin.draws import hash_draws, hash_uniform
+    from diffusion_plugin.step.draws import hash_draws, hash_uniform
 
     seeds, counters = torch.tensor([1, 2, 1]), torch.tensor([5, 5, 5])
     d = hash_draws(seeds, counters, 8, 2)

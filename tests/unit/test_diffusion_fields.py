@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-from diffusion_plugin import params as P
+from diffusion_plugin.api import params as P
+from diffusion_plugin.api.responses import NEUTRAL as RESPONSES_NEUTRAL
+from diffusion_plugin.api.responses import ResponsesBody, to_messages
+from diffusion_plugin.batcher.request import SamplingParams, Sequence
+from diffusion_plugin.batcher.scheduler import Scheduler
 from diffusion_plugin.engine import DiffusionEngine
 from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
-from diffusion_plugin.request import SamplingParams, Sequence
-from diffusion_plugin.responses import NEUTRAL as RESPONSES_NEUTRAL
-from diffusion_plugin.responses import ResponsesBody, to_messages
-from diffusion_plugin.runner import Runner
-from diffusion_plugin.scheduler import Scheduler
+from diffusion_plugin.step.runner import Runner
 from tandem_core.errors import TandemError
 from tests.texts import stop_string_in
 from workers import tiny_models

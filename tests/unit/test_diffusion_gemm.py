@@ -1,4 +1,4 @@
-"""Fast mode's batch-invariant GEMMs (``diffusion_plugin.gemm``) at the released model's sizes.
+"""Fast mode's batch-invariant GEMMs (``diffusion_plugin.step.gemm``) at the released model's sizes.
 
 A row's linear batched with others must give the bits it gives alone: plain ``F.linear`` over
 (B*256, H) did not at hidden 2816 on this CPU's BLAS nor on an H200 (``tests/gpu/probe_gemm.py``);
@@ -8,7 +8,7 @@ input) included."""
 
 import torch
 
-from diffusion_plugin import gemm
+from diffusion_plugin.step import gemm
 
 C = 256
 

@@ -1,4 +1,4 @@
-"""Grammar-constrained canvases in the runner (``diffusion_plugin.grammar``), both samplers, on the
+"""Grammar-constrained canvases in the runner (``diffusion_plugin.step.grammar``), both samplers, on the
 tiny random DiffusionGemma: a constrained row's output parses and validates whatever the model
 prefers (it spans several blocks, so the grammar state crosses block commits), and a constrained
 row never changes an unconstrained batch mate's tokens."""
@@ -10,11 +10,11 @@ import jsonschema
 import pytest
 import torch
 
+from diffusion_plugin.batcher.request import SamplingParams, SeqStatus, Sequence
+from diffusion_plugin.batcher.scheduler import Scheduler
 from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
-from diffusion_plugin.grammar import GrammarCompiler
-from diffusion_plugin.request import SamplingParams, SeqStatus, Sequence
-from diffusion_plugin.runner import Runner
-from diffusion_plugin.scheduler import Scheduler
+from diffusion_plugin.step.grammar import GrammarCompiler
+from diffusion_plugin.step.runner import Runner
 from workers import tiny_models
 
 SCHEMAS = [
@@ -99,7 +99,7 @@ def test_structural_tags_with_token_elements_keep_their_own_tokens(adapter, comp
     import numpy as np
     import xgrammar as xgr
 
-    from diffusion_plugin.grammar import allowed_ids
+    from diffusion_plugin.step.grammar import allowed_ids
 
     tok = adapter.tokenizer
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>")}
@@ -125,7 +125,7 @@ def test_a_grammar_its_tokenizer_cannot_spell_ends_the_output_instead_of_failing
     the batch). Seen with bench_grammar's synthetic vocabulary at the tiny model's size."""
     import xgrammar as xgr
 
-    from diffusion_plugin.grammar import RowGrammar, masked_argmax
+    from diffusion_plugin.step.grammar import RowGrammar, masked_argmax
 
     vocab = ["<eos>", "a", "c", "{"]
     info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[0])

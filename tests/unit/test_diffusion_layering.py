@@ -5,8 +5,8 @@ import sys
 
 
 def test_scheduler_loop_and_engine_import_without_torch():
-    code = ("import sys; import diffusion_plugin.scheduler, diffusion_plugin.loop, diffusion_plugin.params, "
-            "diffusion_plugin.intake, diffusion_plugin.chunks, diffusion_plugin.engine_args, "
+    code = ("import sys; import diffusion_plugin.batcher.scheduler, diffusion_plugin.batcher.loop, diffusion_plugin.api.params, "
+            "diffusion_plugin.api.intake, diffusion_plugin.api.chunks, diffusion_plugin.engine_args, "
             "diffusion_plugin.engine; assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

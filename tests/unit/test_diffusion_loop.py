@@ -2,10 +2,10 @@
 
 import asyncio
 
-from diffusion_plugin.batch import RowOutput, StepOutput
-from diffusion_plugin.loop import DiffusionLoop, EventKind
-from diffusion_plugin.request import SeqStatus
-from diffusion_plugin.scheduler import Scheduler
+from diffusion_plugin.batcher.batch import RowOutput, StepOutput
+from diffusion_plugin.batcher.loop import DiffusionLoop, EventKind
+from diffusion_plugin.batcher.request import SeqStatus
+from diffusion_plugin.batcher.scheduler import Scheduler
 from tests.unit.diffusion_fakes import make_seq as _seq
 
 
@@ -95,7 +95,7 @@ def test_vllm_request_families_count_each_ended_sequence_once():
     vLLM's bucket bounds; an aborted sequence counts only as ``abort``."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from diffusion_plugin.vllm_names import RequestHistograms
+    from diffusion_plugin.batcher.vllm_names import RequestHistograms
 
     async def main():
         hist = RequestHistograms(max_model_len=1024)
@@ -151,7 +151,7 @@ def test_a_traced_sequence_has_a_prompt_span_and_one_span_per_committed_block():
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from diffusion_plugin.spans import SeqSpans
+    from diffusion_plugin.batcher.spans import SeqSpans
     from tandem_core import tracing
 
     exporter = InMemorySpanExporter()

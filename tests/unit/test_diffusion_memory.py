@@ -4,9 +4,7 @@ import random
 
 import pytest
 
-from diffusion_plugin.engine import DiffusionEngine
-from diffusion_plugin.engine_args import DiffusionEngineArgs
-from diffusion_plugin.memory import (
+from diffusion_plugin.batcher.memory import (
     KV_FRACTION,
     PAGE_TOKENS,
     PLAN_TOKENS,
@@ -20,8 +18,10 @@ from diffusion_plugin.memory import (
     pool_pages,
     sequence_bytes,
 )
-from diffusion_plugin.request import SamplingParams, SeqStatus, Sequence
-from diffusion_plugin.scheduler import Scheduler
+from diffusion_plugin.batcher.request import SamplingParams, SeqStatus, Sequence
+from diffusion_plugin.batcher.scheduler import Scheduler
+from diffusion_plugin.engine import DiffusionEngine
+from diffusion_plugin.engine_args import DiffusionEngineArgs
 from tests.unit.diffusion_fakes import FakeDenoiser
 
 C = 4

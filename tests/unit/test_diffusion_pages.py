@@ -7,11 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from diffusion_plugin import kv_view, memory
+from diffusion_plugin.batcher import memory
+from diffusion_plugin.batcher.request import SamplingParams, SeqStatus, Sequence
+from diffusion_plugin.batcher.scheduler import Scheduler
 from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
-from diffusion_plugin.request import SamplingParams, SeqStatus, Sequence
-from diffusion_plugin.runner import Runner
-from diffusion_plugin.scheduler import Scheduler
+from diffusion_plugin.step import kv_view
+from diffusion_plugin.step.runner import Runner
 from workers import tiny_models
 
 LONG = [(7 * i + j) % 1000 + 3 for i in range(1) for j in range(600)]  # 600 + 40 + 32 tokens

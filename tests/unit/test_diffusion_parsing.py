@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from diffusion_plugin.chunks import ChoiceText
+from diffusion_plugin.api.chunks import ChoiceText
 from diffusion_plugin.engine import DiffusionEngine
 from tests import scripted
 from tests.scripted import Adapter, ScriptRunner, payloads

@@ -7,12 +7,12 @@ import random
 import pytest
 import torch
 
+from diffusion_plugin.batcher.memory import PAGE_TOKENS
+from diffusion_plugin.batcher.request import SamplingParams, Sequence
+from diffusion_plugin.batcher.scheduler import Scheduler
 from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
-from diffusion_plugin.memory import PAGE_TOKENS
-from diffusion_plugin.prefix_cache import PageCache, chunks, page_keys
-from diffusion_plugin.request import SamplingParams, Sequence
-from diffusion_plugin.runner import Runner
-from diffusion_plugin.scheduler import Scheduler
+from diffusion_plugin.step.prefix_cache import PageCache, chunks, page_keys
+from diffusion_plugin.step.runner import Runner
 from workers import tiny_models
 
 
@@ -131,7 +131,7 @@ def test_a_different_salt_shares_nothing(adapter):
 def test_cached_pages_give_way_when_memory_is_needed(adapter):
     """A pool with room for little more than one sequence: later prompts evict the cached pages of
     earlier ones instead of failing, and the pool's references balance when all is done."""
-    from diffusion_plugin import memory
+    from diffusion_plugin.batcher import memory
 
     shape = adapter.memory_shape()
     budget = memory.kv_page_bytes(shape, len(SYSTEM) + 70 + adapter.canvas_length) * 2

@@ -13,11 +13,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from diffusion_plugin import filters
+from diffusion_plugin.batcher.request import SamplingParams, Sequence
+from diffusion_plugin.batcher.scheduler import Scheduler
 from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
-from diffusion_plugin.request import SamplingParams, Sequence
-from diffusion_plugin.runner import Runner
-from diffusion_plugin.scheduler import Scheduler
+from diffusion_plugin.step import filters
+from diffusion_plugin.step.runner import Runner
 from workers import tiny_models
 
 NEG = float("-inf")
@@ -348,7 +348,7 @@ def test_read_only_returns_one_pass_argmax_with_logprobs_and_pins(adapter, sampl
     choice = out["choices"][0]
     assert choice["finish_reason"] == "length" and out["usage"]["completion_tokens"] == adapter.canvas_length
     assert len(choice["logprobs"]["tokens"]) == adapter.canvas_length
-    from diffusion_plugin.token_text import token_string
+    from diffusion_plugin.api.token_text import token_string
     tokens = choice["logprobs"]["tokens"]
     assert tokens[1] == token_string(adapter.tokenizer, 301) and tokens[4] == token_string(adapter.tokenizer, 304)
 
@@ -403,7 +403,7 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(adapter):
 def test_the_fast_form_keeps_what_apply_keeps(fields, scale, monkeypatch):
     """``prepare`` + ``cut`` (fast mode: exponents zeroed, thresholds per position) keep the tokens
     ``apply`` (exact mode: -inf) keeps, and the same argmax."""
-    from diffusion_plugin.attention import MIN_EXPONENT
+    from diffusion_plugin.step.attention import MIN_EXPONENT
 
     monkeypatch.setattr(filters, "TOP_P_CANDIDATES", 8)  # some positions take the sort
     g = torch.Generator().manual_seed(len(str(fields)))

@@ -1,8 +1,8 @@
 """The diffusion scheduler's decisions, with a fake denoiser (no torch)."""
 
-from diffusion_plugin.batch import RowOutput, StepOutput
-from diffusion_plugin.request import SeqStatus
-from diffusion_plugin.scheduler import Scheduler
+from diffusion_plugin.batcher.batch import RowOutput, StepOutput
+from diffusion_plugin.batcher.request import SeqStatus
+from diffusion_plugin.batcher.scheduler import Scheduler
 from tests.unit.diffusion_fakes import EOS, C, FakeDenoiser
 from tests.unit.diffusion_fakes import make_seq as _seq
 

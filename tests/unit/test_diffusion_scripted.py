@@ -3,7 +3,7 @@ byte-level tokenizer), so the inputs are built, not sampled:
 
 - logprobs of committed tokens whose characters are split across tokens and across blocks: the
   streamed answer's logprobs, joined, equal the whole answer's (completions and chat), and a
-  token's string, bytes and offset are what ``diffusion_plugin.token_text`` says (``Ѣ`` and
+  token's string, bytes and offset are what ``diffusion_plugin.api.token_text`` says (``Ѣ`` and
   ``€`` are several tokens each; the script is shifted so split characters fall inside a block
   and across a block boundary);
 - tool calls streamed from blocks that hold several call boundaries or half of one.
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from diffusion_plugin.token_text import TextOffsets, token_bytes
+from diffusion_plugin.api.token_text import TextOffsets, token_bytes
 from tests import scripted
 from tests.scripted import payloads
 from workers import tiny_models

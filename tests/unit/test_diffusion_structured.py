@@ -1,11 +1,11 @@
-"""``diffusion_plugin.structured``: a request's constraint read with vLLM's request models; every
+"""``diffusion_plugin.api.structured``: a request's constraint read with vLLM's request models; every
 malformed or unservable field is a 400 naming it (``TandemError``), never another exception."""
 
 import json
 
 import pytest
 
-from diffusion_plugin.structured import resolve, tool_calls_from_text
+from diffusion_plugin.api.structured import resolve, tool_calls_from_text
 from tandem_core.errors import TandemError
 
 MSGS = [{"role": "user", "content": "hi"}]

@@ -8,7 +8,7 @@ import random
 import pytest
 from PIL import Image
 
-from diffusion_plugin.images import ImageLimits, decode, extract_images, load_images
+from diffusion_plugin.api.images import ImageLimits, decode, extract_images, load_images
 from tandem_core.errors import TandemError
 
 LIMITS = ImageLimits(max_images=2, max_image_bytes=50_000, max_pixels=100_000)

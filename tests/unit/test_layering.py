@@ -95,12 +95,34 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-@pytest.mark.parametrize("module", ["runner", "rows", "family", "memory", "scheduler"])
+@pytest.mark.parametrize("module", ["step/runner", "step/rows", "family", "batcher/memory", "batcher/scheduler"])
 def test_the_step_reaches_a_model_family_only_through_the_family_interface(module):
     """``diffusion_plugin.family.Family`` is the boundary: the runner, the row state and the
     planners import no family module (``families.ADAPTERS`` picks the implementation)."""
     deps = imports_of(ROOT / "diffusion_plugin" / f"{module}.py")
     assert not {d for d in deps if d.startswith("diffusion_plugin.families")}, sorted(deps)
+
+
+# The diffusion engine's folders are the stages a request passes through; a stage imports only
+# the stages below it (the engine, its args and the family protocol sit at the top level).
+STAGE_BELOW = {"batcher": set(), "step": {"batcher"}, "api": {"batcher", "step"},
+               "families": {"batcher", "step"}}
+
+
+def test_the_diffusion_engine_is_laid_out_by_stage():
+    top = {p.stem for p in (ROOT / "diffusion_plugin").glob("*.py")}
+    assert top == {"__init__", "engine", "engine_args", "family"}, f"modules outside a stage's folder: {top}"
+    wrong = []
+    for mod, deps in graph().items():
+        parts = mod.split(".")
+        if parts[0] != "diffusion_plugin" or len(parts) < 3 or parts[1] not in STAGE_BELOW:
+            continue
+        for dep in deps:
+            d = dep.split(".")
+            if d[0] == "diffusion_plugin" and len(d) > 2 and d[1] in STAGE_BELOW and d[1] != parts[1] \
+                    and d[1] not in STAGE_BELOW[parts[1]]:
+                wrong.append(f"{mod} -> {dep}")
+    assert not wrong, "a stage imports one above or beside it:\n" + "\n".join(sorted(wrong))
 
 
 def test_gateway_holds_no_tool():
@@ -109,7 +131,7 @@ def test_gateway_holds_no_tool():
 
 
 @pytest.mark.parametrize("bad", ["from gateway.app import build_app", "import tandem_tools.bench",
-                                 "from diffusion_plugin import runner", "from workers import tiny_models"])
+                                 "from diffusion_plugin.step import runner", "from workers import tiny_models"])
 def test_the_checks_catch_a_wrong_arrow_and_a_cycle(tmp_path, bad):
     """The checks above can fail: a module of tandem_core or workers with a wrong import is
     reported, and so is a cycle (parsed from a file outside the tree, placed in the graph)."""

@@ -193,7 +193,7 @@ def test_openapi_diffusion_object_is_the_engines_knobs_schema(gw):
     validates."""
     from annotated_types import Ge, Gt, Le
 
-    from diffusion_plugin.params import DiffusionKnobs, knobs_schema
+    from diffusion_plugin.api.params import DiffusionKnobs, knobs_schema
 
     url, _, _ = gw
     paths = httpx.get(url + "/openapi.json", timeout=10).json()["paths"]

@@ -34,7 +34,7 @@ FINISH_REASON = {
 
 @dataclass
 class SamplingParams:
-    """One sequence's knobs (validated by ``diffusion_plugin.params``)."""
+    """One sequence's knobs (validated by ``diffusion_plugin.api.params``)."""
 
     max_tokens: int
     max_denoising_steps: int
@@ -47,9 +47,9 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = ()
     previews: bool = False
     # None: no logprobs (no extra work); k: each committed token's logprob and the top k
-    # (``diffusion_plugin.params`` defines them).
+    # (``diffusion_plugin.api.params`` defines them).
     logprobs: int | None = None
-    # vLLM's sampling fields (``diffusion_plugin.filters``): off at these values.
+    # vLLM's sampling fields (``diffusion_plugin.step.filters``): off at these values.
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
@@ -62,7 +62,7 @@ class SamplingParams:
     pinned: tuple[int, ...] = ()
 
     def filtered(self, produced: int) -> bool:
-        """Whether ``diffusion_plugin.filters`` has work for a block starting ``produced`` tokens in."""
+        """Whether ``diffusion_plugin.step.filters`` has work for a block starting ``produced`` tokens in."""
         return (self.top_k > 0 or self.top_p < 1 or self.min_p > 0 or self.allowed_token_ids is not None
                 or bool(self.logit_bias) or (self.min_tokens > produced and bool(self.eos_token_ids)))
 
@@ -117,7 +117,7 @@ class Sequence:
     # sequence's prompt pass only, then dropped.
     images: object | None = None
     # A structured output's compiled grammar (xgrammar's CompiledGrammar; opaque here): the
-    # runner keeps a matcher per sequence over it (``diffusion_plugin.grammar``).
+    # runner keeps a matcher per sequence over it (``diffusion_plugin.step.grammar``).
     grammar: object | None = None
     # Scoring (echo with logprobs, prompt_logprobs): the prompt tokens after ``prompt_ids`` read in
     # score blocks before any generation, with the top ``score_k``; their ``Score``s, in order.

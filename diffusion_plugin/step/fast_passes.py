@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from diffusion_plugin import gemm, memory
-from diffusion_plugin.attention import FAST
-from diffusion_plugin.draws import GRAMMAR, INIT, RENOISE, SAMPLE, hash_draws, hash_uniform
+from diffusion_plugin.batcher import memory
+from diffusion_plugin.batcher.memory import PAGE_TOKENS
 from diffusion_plugin.family import Family
-from diffusion_plugin.kv_view import FastViews, KVPool, free_bytes, release
-from diffusion_plugin.memory import PAGE_TOKENS
-from diffusion_plugin.prefix_cache import chunks, page_keys
-from diffusion_plugin.rows import Row, by_length
+from diffusion_plugin.step import gemm
+from diffusion_plugin.step.attention import FAST
+from diffusion_plugin.step.draws import GRAMMAR, INIT, RENOISE, SAMPLE, hash_draws, hash_uniform
+from diffusion_plugin.step.kv_view import FastViews, KVPool, free_bytes, release
+from diffusion_plugin.step.prefix_cache import chunks, page_keys
+from diffusion_plugin.step.rows import Row, by_length
 
 
 class FastPasses:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from diffusion_plugin.family import Family
-from diffusion_plugin.rows import Row
+from diffusion_plugin.step.rows import Row
 
 
 class ExactPasses:

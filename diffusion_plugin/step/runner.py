@@ -22,14 +22,14 @@ from dataclasses import replace
 
 import torch
 
-from diffusion_plugin import memory
-from diffusion_plugin.batch import Pins, RowOutput, StepBatch, StepOutput
-from diffusion_plugin.draws import INIT, hash_draws
-from diffusion_plugin.exact_passes import ExactPasses
+from diffusion_plugin.batcher import memory
+from diffusion_plugin.batcher.batch import Pins, RowOutput, StepBatch, StepOutput
+from diffusion_plugin.batcher.request import READ_CANVAS, SCORE_SEED, Sequence
 from diffusion_plugin.family import Family
-from diffusion_plugin.fast_passes import FastPasses
-from diffusion_plugin.request import READ_CANVAS, SCORE_SEED, Sequence
-from diffusion_plugin.rows import Row
+from diffusion_plugin.step.draws import INIT, hash_draws
+from diffusion_plugin.step.exact_passes import ExactPasses
+from diffusion_plugin.step.fast_passes import FastPasses
+from diffusion_plugin.step.rows import Row
 
 SAMPLERS = ("exact", "fast")
 
@@ -69,7 +69,7 @@ class Runner:
         cache = self.passes.new_cache()
         grammar = None
         if seq.grammar is not None:
-            from diffusion_plugin.grammar import RowGrammar
+            from diffusion_plugin.step.grammar import RowGrammar
 
             grammar = RowGrammar(seq.grammar, self.adapter.vocab_size, seq.params.eos_token_ids or
                                  self.adapter.eos_token_ids, self.adapter.canvas_length)

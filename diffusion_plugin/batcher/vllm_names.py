@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 
-from diffusion_plugin.request import SeqStatus, Sequence
+from diffusion_plugin.batcher.request import SeqStatus, Sequence
 
 VLLM_FAMILIES = (
     ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", "running"),

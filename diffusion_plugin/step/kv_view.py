@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from diffusion_plugin.attention import ATTN_BLOCK, FastSpec, PagedKV
-from diffusion_plugin.memory import host_available_bytes
-from diffusion_plugin.prefix_cache import PageCache
+from diffusion_plugin.batcher.memory import host_available_bytes
+from diffusion_plugin.step.attention import ATTN_BLOCK, FastSpec, PagedKV
+from diffusion_plugin.step.prefix_cache import PageCache
 
 
 class KVPool:

@@ -25,7 +25,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
-from diffusion_plugin.memory import PAGE_TOKENS
+from diffusion_plugin.batcher.memory import PAGE_TOKENS
 
 
 def page_keys(tokens: list[int], salt: str | None = None, page: int = PAGE_TOKENS) -> list[bytes]:

@@ -24,7 +24,7 @@ from contextvars import ContextVar
 
 import torch
 
-from diffusion_plugin.memory import PAGE_TOKENS
+from diffusion_plugin.batcher.memory import PAGE_TOKENS
 
 ATTN_NAME = "tandem_rowwise"
 # Batched encoder passes: per row, its own K/V (written to its own cache) and its own mask.

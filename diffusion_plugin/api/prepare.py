@@ -25,10 +25,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from diffusion_plugin import params as P
-from diffusion_plugin.intake import Intake, SeqRequest
-from diffusion_plugin.parsing import Parsers
-from diffusion_plugin.structured import Structured, request_errors, resolve, wanted
+from diffusion_plugin.api import params as P
+from diffusion_plugin.api.intake import Intake, SeqRequest
+from diffusion_plugin.api.parsing import Parsers
+from diffusion_plugin.api.structured import Structured, request_errors, resolve, wanted
 from tandem_core.errors import invalid
 
 ROUTES = ("chat", "completions", "responses")
@@ -61,7 +61,7 @@ class Preparer:
         elif route == "completions":
             req = P.parse(P.CompletionBody, body)
         else:
-            from diffusion_plugin.responses import NEUTRAL, ResponsesBody
+            from diffusion_plugin.api.responses import NEUTRAL, ResponsesBody
 
             req = P.parse(ResponsesBody, body, NEUTRAL)
         structured, grammar = await self._constraint(body, route)
@@ -70,7 +70,7 @@ class Preparer:
         elif route == "completions":
             sreq = await self.intake.completion(req)
         else:
-            from diffusion_plugin.responses import chat_tools, to_messages
+            from diffusion_plugin.api.responses import chat_tools, to_messages
 
             sreq = await self.intake.responses(req, to_messages(req), chat_tools(req.tools))
         _across(sreq, grammar)
@@ -79,7 +79,7 @@ class Preparer:
         return Prepared(route, req, sreq, structured, parsing)
 
     async def _constraint(self, body: dict, route: str) -> tuple[Structured | None, object | None]:
-        """The request's structured output (``diffusion_plugin.structured``) and its compiled
+        """The request's structured output (``diffusion_plugin.api.structured``) and its compiled
         grammar, or (None, None)."""
         if not wanted(body):
             return None, None
@@ -93,7 +93,7 @@ class Preparer:
         return structured, await asyncio.to_thread(self._compile, structured)
 
     async def _parsing(self, body: dict, route: str, structured: Structured | None, sreq: SeqRequest):
-        """The request's parsing by the model's parsers (``diffusion_plugin.parsing``), or None: none
+        """The request's parsing by the model's parsers (``diffusion_plugin.api.parsing``), or None: none
         configured, or the output is constrained tool calls (``tool_choice`` required or named)."""
         if not self.parsers.configured or (structured is not None and structured.tool_mode):
             return None
@@ -101,7 +101,7 @@ class Preparer:
             return await asyncio.to_thread(self.parsers.for_request, body, route, sreq.prompt_ids)
 
     def _compile(self, structured: Structured):
-        from diffusion_plugin.grammar import GrammarCompiler
+        from diffusion_plugin.step.grammar import GrammarCompiler
 
         with self._compiler_lock:
             if self._compiler is None:

@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from diffusion_plugin.request import SamplingParams
+from diffusion_plugin.batcher.request import SamplingParams
 
 TOP_P_CANDIDATES = 1024
 _NEG = float("-inf")

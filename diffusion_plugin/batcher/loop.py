@@ -14,8 +14,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from diffusion_plugin.request import SeqStatus, Sequence
-from diffusion_plugin.scheduler import Scheduler
+from diffusion_plugin.batcher.request import SeqStatus, Sequence
+from diffusion_plugin.batcher.scheduler import Scheduler
 from tandem_core.tracing import TRACE
 
 logger = logging.getLogger(__name__)

@@ -49,7 +49,7 @@ def warm_structured() -> None:
     from vllm.tool_parsers.utils import get_json_schema_from_tools  # noqa: F401
     from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar  # noqa: F401
 
-    import diffusion_plugin.grammar  # noqa: F401
+    import diffusion_plugin.step.grammar  # noqa: F401
 
 
 def wanted(body: dict) -> bool:

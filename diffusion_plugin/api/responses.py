@@ -11,11 +11,11 @@ deterministic), ``seed`` (an extension, as on chat), ``stream``, ``diffusion`` (
 chat; ``previews`` streams ``response.diffusion_preview`` events {block, step, max_steps, text},
 each replacing the previous one of its block, between that block's
 ``response.output_text.delta`` events), ``text.format`` (``json_schema``, ``json_object``) and
-vLLM's ``structured_outputs`` (structured outputs, ``diffusion_plugin.structured``), ``tools``
+vLLM's ``structured_outputs`` (structured outputs, ``diffusion_plugin.api.structured``), ``tools``
 (function tools, given to the chat template) with ``tool_choice`` ``"required"`` or a named
 function (the output is ``function_call`` items, constrained to vLLM's tool-call schema),
 ``"auto"`` (needs ``engine_args.tool_call_parser``: the output parsed by vLLM's parser,
-``diffusion_plugin.parsing``) or ``"none"``, ``parallel_tool_calls``, ``user``, ``metadata``.
+``diffusion_plugin.api.parsing``) or ``"none"``, ``parallel_tool_calls``, ``user``, ``metadata``.
 With a reasoning parser the model's thinking is a ``reasoning`` item.
 
 Output items open as their first delta comes (``Outputs``): a reasoning item streams
@@ -43,9 +43,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from diffusion_plugin import params as P
-from diffusion_plugin.chunks import Delta, End, Preview
-from diffusion_plugin.structured import ToolCallStream, tool_calls_from_text
+from diffusion_plugin.api import params as P
+from diffusion_plugin.api.chunks import Delta, End, Preview
+from diffusion_plugin.api.structured import ToolCallStream, tool_calls_from_text
 from tandem_core.errors import TandemError, invalid
 
 
@@ -60,7 +60,7 @@ class ResponsesBody(BaseModel):
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # vLLM's range (int64)
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prompts under different salts share nothing
     priority: int = Field(0, strict=True)  # vLLM's: lower is more urgent (the scheduler's order)
-    top_p: float | None = Field(None, gt=0, le=1)  # vLLM's sampling field (``diffusion_plugin.filters``)
+    top_p: float | None = Field(None, gt=0, le=1)  # vLLM's sampling field (``diffusion_plugin.step.filters``)
     stream: bool = False
     text: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's (not with text.format)

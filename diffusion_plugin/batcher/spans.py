@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from diffusion_plugin.request import Sequence
+from diffusion_plugin.batcher.request import Sequence
 from tandem_core import tracing
 
 

@@ -1,4 +1,4 @@
-"""Request adaptation: an OpenAI body (already validated by ``diffusion_plugin.params``) -> a
+"""Request adaptation: an OpenAI body (already validated by ``diffusion_plugin.api.params``) -> a
 ``SeqRequest``, what the batcher's sequences are built from.
 
 The prompt through the model's chat template (image parts decoded and encoded off the event
@@ -14,11 +14,11 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from diffusion_plugin import params as P
-from diffusion_plugin.images import ImageLimits, extract_images, load_images
-from diffusion_plugin.memory import GIB, MemoryBudget
-from diffusion_plugin.request import SamplingParams, Sequence
-from diffusion_plugin.token_params import DetokenizeBody, TokenizeBody
+from diffusion_plugin.api import params as P
+from diffusion_plugin.api.images import ImageLimits, extract_images, load_images
+from diffusion_plugin.api.token_params import DetokenizeBody, TokenizeBody
+from diffusion_plugin.batcher.memory import GIB, MemoryBudget
+from diffusion_plugin.batcher.request import SamplingParams, Sequence
 from tandem_core.errors import ErrorKind, TandemError, invalid
 
 DEFAULT_MAX_TOKENS = 256
@@ -42,7 +42,7 @@ class SeqRequest:
     keep_special: bool = False  # vLLM's skip_special_tokens: false
     cache_salt: str | None = None  # vLLM's: the prefix cache shares pages only under one salt
     priority: int = 0  # vLLM's: waiting rows are admitted most urgent first
-    grammar: object | None = None  # a structured output's compiled grammar (``diffusion_plugin.grammar``)
+    grammar: object | None = None  # a structured output's compiled grammar (``diffusion_plugin.step.grammar``)
     raw_text: bool = False  # a parser reads the text: special tokens kept, whole tokens (``chunks.ChoiceText``)
     more_prompts: list[list[int]] = field(default_factory=list)  # completions: the prompts after the first
     sampling: dict = field(default_factory=dict)  # vLLM's sampling fields (``params._Base.sampling_fields``)

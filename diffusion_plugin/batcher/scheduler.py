@@ -27,9 +27,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from diffusion_plugin.batch import StepBatch, StepOutput
-from diffusion_plugin.memory import MemoryBudget
-from diffusion_plugin.request import SeqStatus, Sequence
+from diffusion_plugin.batcher.batch import StepBatch, StepOutput
+from diffusion_plugin.batcher.memory import MemoryBudget
+from diffusion_plugin.batcher.request import SeqStatus, Sequence
 
 
 @dataclass

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from diffusion_plugin.batch import Pins
-from diffusion_plugin.request import BlockPlan, SamplingParams, Sequence
+from diffusion_plugin.batcher.batch import Pins
+from diffusion_plugin.batcher.request import BlockPlan, SamplingParams, Sequence
 
 
 @dataclass

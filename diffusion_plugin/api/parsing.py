@@ -59,7 +59,7 @@ class Parsers:
         """The parsing of a chat or Responses request (None: its text is answered as is)."""
         if self.cls is None:
             return None
-        from diffusion_plugin.structured import vllm_request
+        from diffusion_plugin.api.structured import vllm_request
 
         request = vllm_request(body, route)
         kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})

@@ -3,7 +3,7 @@
 Every field of a request is either honoured or refused with a 400 in the OpenAI envelope whose
 ``param`` names it (``diffusion.entropy_bound``, ``top_p``...). A field is never silently ignored.
 
-Honoured (chat, completions; Responses in ``diffusion_plugin.responses``):
+Honoured (chat, completions; Responses in ``diffusion_plugin.api.responses``):
 - ``model``, ``messages`` (chat; text and image parts), ``prompt`` (completions: a string, a list
   of strings, token ids or a list of token-id lists, as vLLM; prompt p's choice i is choice
   ``p * n + i``, and ``usage.prompt_tokens`` counts each prompt once, whatever ``n``),
@@ -22,7 +22,7 @@ Honoured (chat, completions; Responses in ``diffusion_plugin.responses``):
   logprob equals the first of its ``top_logprobs``); ``top_logprobs`` are the k most probable
   tokens of that distribution at its position. In the fast sampler probabilities below e^-87
   of the top token's are clamped there (never the top ones of any sensible k);
-- structured outputs (``diffusion_plugin.structured``, ``diffusion_plugin.grammar``):
+- structured outputs (``diffusion_plugin.api.structured``, ``diffusion_plugin.step.grammar``):
   ``response_format`` (``json_schema``, ``json_object``, ``text``) and vLLM's
   ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``structural_tag``);
   chat's ``tools`` with ``tool_choice`` ``"required"`` or a named function (the output is the
@@ -30,10 +30,10 @@ Honoured (chat, completions; Responses in ``diffusion_plugin.responses``):
   template), and ``parallel_tool_calls``; ``tool_choice: "auto"`` (tools rendered by the chat
   template, the output parsed into ``tool_calls`` by vLLM's parser) with the model's tool parser
   (``engine_args.tool_call_parser``), else a 400 as on ``vllm serve``; the reasoning parser's
-  ``reasoning`` (``engine_args.reasoning_parser``; ``diffusion_plugin.parsing``), vLLM's
+  ``reasoning`` (``engine_args.reasoning_parser``; ``diffusion_plugin.api.parsing``), vLLM's
   ``include_reasoning`` and ``chat_template_kwargs`` (e.g. ``enable_thinking``);
 - vLLM's sampling fields ``top_k``, ``top_p``, ``min_p``, ``allowed_token_ids``, ``logit_bias`` and ``min_tokens``
-  (``diffusion_plugin.filters`` says what each does to a denoise step), with vLLM's checks and
+  (``diffusion_plugin.step.filters`` says what each does to a denoise step), with vLLM's checks and
   words (``_Base.check``);
 - prompt scoring: completions' ``echo`` (with ``logprobs``: the prompt's tokens scored; with
   ``max_tokens`` 0 the prompt alone) and vLLM's ``prompt_logprobs`` (not with ``stream``); a
@@ -167,7 +167,7 @@ class _Base(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # vLLM's range (int64)
-    # vLLM's sampling fields (``diffusion_plugin.filters``)
+    # vLLM's sampling fields (``diffusion_plugin.step.filters``)
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
@@ -185,7 +185,7 @@ class _Base(BaseModel):
     stop_token_ids: list[StrictInt] | None = None  # vLLM's: these ids end a choice too (even with ignore_eos)
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended a choice stays in its text
     skip_special_tokens: bool = True  # vLLM's: False keeps special tokens in the text
-    # Structured outputs (``diffusion_plugin.structured`` reads them with vLLM's request models).
+    # Structured outputs (``diffusion_plugin.api.structured`` reads them with vLLM's request models).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     diffusion: DiffusionKnobs = Field(default_factory=DiffusionKnobs)

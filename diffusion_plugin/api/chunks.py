@@ -3,7 +3,7 @@
 ``DiffusionEngine.generate`` turns the loop's ``SeqEvent``s into the typed choice events below
 (text already decoded, stop strings applied by ``ChoiceText``); ``openai_items`` builds the chat
 and completions answers from them (SSE chunks ending with ``[DONE]``, or one response object);
-``diffusion_plugin.responses`` builds the Responses API's events from the same stream.
+``diffusion_plugin.api.responses`` builds the Responses API's events from the same stream.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from diffusion_plugin.request import FINISH_REASON, SeqStatus
-from diffusion_plugin.structured import ToolCallStream, tool_calls_from_text
-from diffusion_plugin.token_text import TextOffsets, token_bytes, token_string
+from diffusion_plugin.api.structured import ToolCallStream, tool_calls_from_text
+from diffusion_plugin.api.token_text import TextOffsets, token_bytes, token_string
+from diffusion_plugin.batcher.request import FINISH_REASON, SeqStatus
 from tandem_core.errors import TandemError
 from tandem_core.protocol import DONE, Item
 
@@ -100,7 +100,7 @@ class Released(NamedTuple):
 class ChoiceText:
     """Incremental text of one sequence: deltas, stop strings, previews.
 
-    ``raw`` (a parser reads the text, ``diffusion_plugin.parsing``): the text keeps special tokens
+    ``raw`` (a parser reads the text, ``diffusion_plugin.api.parsing``): the text keeps special tokens
     (as vLLM's parsers set ``skip_special_tokens=False``) and only whole tokens are released,
     each delta with the ids of exactly its tokens, so the parser's text and ids agree."""
 
@@ -214,10 +214,10 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
                        structured=None, parsing=None, continuous_usage: int | None = None) -> AsyncIterator[Item]:
     """Chat or completions output: SSE chunks then ``DONE`` (``stream``), or one response object.
     A ``TandemError`` raised by ``events`` is yielded as the request's error (mid-stream too).
-    ``structured`` (``diffusion_plugin.structured.Structured``) with a ``tool_mode``: the text is
+    ``structured`` (``diffusion_plugin.api.structured.Structured``) with a ``tool_mode``: the text is
     the tool calls' JSON, answered as ``tool_calls`` (streamed as vLLM streams them), with
     ``finish_reason`` "tool_calls" for "required" (and "stop" for a named function), as vLLM.
-    ``parsing`` (``diffusion_plugin.parsing.Parsing``): the model's parsers read each choice's
+    ``parsing`` (``diffusion_plugin.api.parsing.Parsing``): the model's parsers read each choice's
     text (``content``, ``reasoning``, ``tool_calls``; "tool_calls" ends a choice that called one).
     ``continuous_usage`` (vLLM's ``continuous_usage_stats``): the prompt tokens; every chunk then
     carries the usage so far."""

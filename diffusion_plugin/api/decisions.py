@@ -22,10 +22,10 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
-from diffusion_plugin.images import extract_images
-from diffusion_plugin.loop import EventKind
-from diffusion_plugin.request import SamplingParams as Knobs
-from diffusion_plugin.request import SeqStatus, Sequence
+from diffusion_plugin.api.images import extract_images
+from diffusion_plugin.batcher.loop import EventKind
+from diffusion_plugin.batcher.request import SamplingParams as Knobs
+from diffusion_plugin.batcher.request import SeqStatus, Sequence
 from tandem_core import decisions as D
 from tandem_core.errors import ErrorKind, TandemError, invalid
 from tandem_core.label_reads import Ask, Probe, ProbeResult, read_labels
@@ -118,7 +118,7 @@ async def systemone(engine, body: dict, request_id: str) -> dict:
     from vllm.entrypoints.generate.structured_decisions.serving import parse_questions
     from vllm.entrypoints.generate.structured_decisions.strategies import DecisionLimits, state_text
 
-    from diffusion_plugin.structured import request_errors
+    from diffusion_plugin.api.structured import request_errors
 
     with request_errors(body):
         request = V.StructuredDecisionRequest.model_validate(body)
