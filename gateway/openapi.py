@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from diffusion_plugin.api.params import knobs_schema
 from tandem_core.config import LimitsConfig
+from tandem_core.decisions import request_schema
 
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
@@ -137,17 +138,10 @@ def _other_schema(route: str, models: list[str], max_tokens: dict) -> dict:
                  "documents": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
                  "top_n": {"type": "integer", "minimum": 0}}
         required = ["model", "query", "documents"]
-    elif route == "decisions":
-        text = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}, "minItems": 1}]}
-        props = {"model": model, "input": text,
-                 "questions": {"type": "array", "minItems": 1, "maxItems": 400, "items": {
-                     "type": "object", "required": ["type", "instructions"],
-                     "properties": {"type": {"enum": ["predicate", "choice", "score"]}, "instructions": text,
-                                    "name": {"type": "string"},
-                                    "choices": {"type": "array", "minItems": 2, "maxItems": 255},
-                                    "levels": {"type": "array", "minItems": 2, "maxItems": 100}}}},
-                 "prompt_cache_key": {"type": ["string", "null"]}, "safety_identifier": {"type": ["string", "null"]}}
-        required = ["model", "input", "questions"]
+    elif route == "decisions":  # generated from the models that parse it
+        schema = request_schema()
+        schema["properties"]["model"] = model
+        return schema
     elif route == "systemone":
         props = {"model": model, "state": {}, "instructions": {"type": ["string", "null"]},
                  "questions": {"type": "object", "minProperties": 1, "maxProperties": 64, "additionalProperties": {

@@ -167,6 +167,33 @@ class DecisionRequest(_Strict):
     priority: int = 0  # vLLM's extension: lower is more urgent (the gateway sets it from the API key)
 
 
+def request_schema() -> dict:
+    """``DecisionRequest`` as JSON Schema, its input items and questions typed by the models
+    ``parse`` reads them with, every reference inlined (for the OpenAPI document)."""
+    def typed(models) -> list[dict]:
+        return [_inlined(m.model_json_schema()) for m in models]
+
+    schema = _inlined(DecisionRequest.model_json_schema())
+    props = schema["properties"]
+    props["input"] = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": typed(_ITEMS.values())}}]}
+    props["questions"]["items"] = {"oneOf": typed(_QUESTIONS.values())}
+    return schema
+
+
+def _inlined(schema: dict) -> dict:
+    defs = schema.pop("$defs", {})
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return walk(defs[node["$ref"].rsplit("/", 1)[1]])
+            return {k: walk(v) for k, v in node.items() if k != "discriminator"}  # its mapping names $defs
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+    return walk(schema)
+
+
 @dataclass(frozen=True)
 class Question:
     """One question as the model reads it: ``messages`` (the conversation, then the question's

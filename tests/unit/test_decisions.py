@@ -161,3 +161,30 @@ def test_a_label_is_tokenized_with_the_prompts_end():
     prompt = tok.encode("Answer: ")
     assert label_ids(tok, prompt, "no") == (ord("n") + 500, ord("o"))
     assert label_ids(tok, tok.encode("Answer:"), "no") == (ord("n"), ord("o"))  # glued to the word before
+
+
+def test_the_openapi_body_is_generated_from_the_models_that_parse_it():
+    """``request_schema`` (the OpenAPI document's body) takes what ``parse`` takes and refuses
+    what it refuses: the typed items and questions, no unresolved reference."""
+    import json
+
+    import jsonschema
+
+    schema = D.request_schema()
+    assert "$ref" not in json.dumps(schema)
+    body = {"model": "m", "input": [{"role": "user", "content": "hi"},
+                                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                                    {"type": "function_call_output", "call_id": "c", "output": "ok"}],
+            "questions": [{"type": "predicate", "instructions": "Is it?"},
+                          {"type": "choice", "instructions": "Which?", "choices": [{"value": "a"}, {"value": True}]},
+                          {"type": "score", "instructions": [{"type": "input_text", "text": "How?"}],
+                           "levels": [{"label": "low"}, {"label": "high"}]}]}
+    jsonschema.validate(body, schema)
+    D.parse(body)
+    for bad in ({**body, "questions": [{"type": "ranking", "instructions": "?"}]},
+                {**body, "questions": [{"type": "choice", "instructions": "?", "choices": [{"value": "a"}]}]},
+                {**body, "temperature": 0}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+        with pytest.raises(TandemError):
+            D.parse(bad)
