@@ -9,8 +9,8 @@ that fits the schema is one tandem should answer without a 5xx.
 from __future__ import annotations
 
 from diffusion_plugin.api.params import knobs_schema
+from tandem_core import decisions
 from tandem_core.config import LimitsConfig
-from tandem_core.decisions import request_schema
 
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
@@ -138,8 +138,8 @@ def _other_schema(route: str, models: list[str], max_tokens: dict) -> dict:
                  "documents": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
                  "top_n": {"type": "integer", "minimum": 0}}
         required = ["model", "query", "documents"]
-    elif route == "decisions":  # generated from the models that parse it
-        schema = request_schema()
+    elif route == "decisions":
+        schema = decisions_schema()
         schema["properties"]["model"] = model
         return schema
     elif route == "systemone":
@@ -152,3 +152,31 @@ def _other_schema(route: str, models: list[str], max_tokens: dict) -> dict:
     else:
         raise ValueError(f"no request schema for route {route!r}")
     return {"type": "object", "required": required, "properties": props}
+
+
+def decisions_schema() -> dict:
+    """``/v1/decisions``' body, generated from the models ``tandem_core.decisions.parse`` reads it
+    with (the request, its input items and questions by type), every reference inlined."""
+    def typed(models) -> list[dict]:
+        return [_inlined(m.model_json_schema()) for m in models]
+
+    schema = _inlined(decisions.DecisionRequest.model_json_schema())
+    props = schema["properties"]
+    props["input"] = {"anyOf": [{"type": "string"},
+                                {"type": "array", "items": {"anyOf": typed(decisions.ITEMS.values())}}]}
+    props["questions"]["items"] = {"oneOf": typed(decisions.QUESTIONS.values())}
+    return schema
+
+
+def _inlined(schema: dict) -> dict:
+    defs = schema.pop("$defs", {})
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return walk(defs[node["$ref"].rsplit("/", 1)[1]])
+            return {k: walk(v) for k, v in node.items() if k != "discriminator"}  # its mapping names $defs
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+    return walk(schema)

@@ -114,7 +114,8 @@ class CustomToolCallOutput(_Output):
     type: Literal["custom_tool_call_output"]
 
 
-_ITEMS = {"message": Message, "function_call": FunctionCall, "function_call_output": FunctionCallOutput,
+# The input item and question models by ``type`` (``parse`` reads with them; so does the OpenAPI body).
+ITEMS = {"message": Message, "function_call": FunctionCall, "function_call_output": FunctionCallOutput,
           "custom_tool_call": CustomToolCall, "custom_tool_call_output": CustomToolCallOutput}
 
 
@@ -147,7 +148,7 @@ class Score(_Question):
     levels: list[Level] = Field(min_length=2, max_length=MAX_LEVELS)
 
 
-_QUESTIONS = {"predicate": Predicate, "choice": Choice, "score": Score}
+QUESTIONS = {"predicate": Predicate, "choice": Choice, "score": Score}
 
 
 class _Cache(_Strict):
@@ -165,33 +166,6 @@ class DecisionRequest(_Strict):
     prompt_cache_options: _Cache | None = None  # accepted: tandem's prefix cache is automatic
     safety_identifier: str | None = Field(default=None, max_length=64)  # accepted: tandem monitors no abuse
     priority: int = 0  # vLLM's extension: lower is more urgent (the gateway sets it from the API key)
-
-
-def request_schema() -> dict:
-    """``DecisionRequest`` as JSON Schema, its input items and questions typed by the models
-    ``parse`` reads them with, every reference inlined (for the OpenAPI document)."""
-    def typed(models) -> list[dict]:
-        return [_inlined(m.model_json_schema()) for m in models]
-
-    schema = _inlined(DecisionRequest.model_json_schema())
-    props = schema["properties"]
-    props["input"] = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": typed(_ITEMS.values())}}]}
-    props["questions"]["items"] = {"oneOf": typed(_QUESTIONS.values())}
-    return schema
-
-
-def _inlined(schema: dict) -> dict:
-    defs = schema.pop("$defs", {})
-
-    def walk(node):
-        if isinstance(node, dict):
-            if "$ref" in node:
-                return walk(defs[node["$ref"].rsplit("/", 1)[1]])
-            return {k: walk(v) for k, v in node.items() if k != "discriminator"}  # its mapping names $defs
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        return node
-    return walk(schema)
 
 
 @dataclass(frozen=True)
@@ -250,7 +224,7 @@ def _conversation(value: str | list) -> list[dict]:
         raise invalid("input: must not be empty", param="input")
     out, calls = [], set()
     for i, raw in enumerate(value):
-        item = _typed(_ITEMS, raw, f"input.{i}", default="message")
+        item = _typed(ITEMS, raw, f"input.{i}", default="message")
         if isinstance(item, Message):
             role = "system" if item.role == "developer" else item.role
             allowed = (OutputText, OutputRefusal) if role == "assistant" else (
@@ -317,7 +291,7 @@ def _parts(content: str | list) -> list[dict]:
 
 # -- the questions ---------------------------------------------------------------------------------
 def _question(i: int, raw: Any, conversation: list[dict]) -> Question:
-    q = _typed(_QUESTIONS, raw, f"questions.{i}")
+    q = _typed(QUESTIONS, raw, f"questions.{i}")
     if isinstance(q, Predicate):
         labels, values = ("yes", "no"), (True, False)
         ask = "Is this statement about the input true? Answer with yes or no only."

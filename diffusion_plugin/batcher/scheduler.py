@@ -222,10 +222,12 @@ class Scheduler:
         """A score block's read: its tokens' scores recorded (not output); with ``max_tokens`` 0 the
         last one ends the sequence."""
         plan = seq.plan(self.canvas_length)
-        width = len(plan.seed)
-        seq.scores.extend(row.scores[:len(plan.reads) or width])
+        if plan.reads:  # a label read: one score per candidate, no prompt token scored
+            seq.scores.extend(row.scores)
+        else:
+            seq.scores.extend(row.scores[:len(plan.seed)])
+            self.stats.tokens_scored += len(plan.seed)
         seq.block += 1
-        self.stats.tokens_scored += width
         if seq.block == seq.score_blocks(self.canvas_length) and seq.params.max_tokens == 0:
             return SeqStatus.FINISHED_LENGTH
         return None

@@ -149,12 +149,11 @@ class Runner:
         if batch.denoise:
             rows = [self.rows[s] for s in batch.denoise]
             reads, rest = [r for r in rows if r.plan.reads], [r for r in rows if not r.plan.reads]
-            t = time.perf_counter()
-            hidden = self._trunk(reads, min(READ_CANVAS, self.adapter.canvas_length)) if reads else None
-            out.rows = self._read(reads, hidden) if reads else []
+            t = time.perf_counter()  # the decoder forwards: the reads' narrow one, then the others'
+            read_hidden = self._trunk(reads, self._width(reads[0])) if reads else None
             hidden = self._trunk(rest, self.adapter.canvas_length) if rest else None
             forward_s += time.perf_counter() - t
-            out.rows += self._decide(rest, hidden) if rest else []
+            out.rows = (self._read(reads, read_hidden) if reads else []) + (self._decide(rest, hidden) if rest else [])
         out.forward_s = forward_s
         out.cached = self.cached
         out.step_s = time.perf_counter() - t0
@@ -246,12 +245,15 @@ class Runner:
             k = seq.score_k if plan.scoring else (p.logprobs or 0)
             row.pins = Pins(list(plan.pinned), [plan.seed[j] for j in plan.pinned], k)
 
+    def _width(self, row: Row) -> int:
+        """A row's canvas width: a label read's narrow canvas, else the model's."""
+        return min(READ_CANVAS, self.adapter.canvas_length) if row.plan.reads else self.adapter.canvas_length
+
     def _init_canvas(self, row: Row) -> torch.Tensor:
-        C = self.adapter.canvas_length
         if row.plan.scoring:  # noise that depends on nothing but the position (same read for any seed)
             seeds = torch.tensor([SCORE_SEED], dtype=torch.int64, device=self.adapter.device)
             counters = torch.zeros(1, dtype=torch.int64, device=self.adapter.device)
-            canvas = hash_draws(seeds, counters, C, INIT) % self.adapter.vocab_size
+            canvas = hash_draws(seeds, counters, self._width(row), INIT) % self.adapter.vocab_size
         else:
             canvas = self.passes.init_canvas(row)
         if row.plan.seed:
