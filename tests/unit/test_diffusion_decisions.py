@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import time
 
 import pytest
 import torch
 
 from diffusion_plugin.api.decisions import DiffusionReader
 from diffusion_plugin.engine import DiffusionEngine
+from tandem_core.errors import TandemError
 from tandem_core.label_reads import Probe
 from workers import tiny_models
 
@@ -44,6 +46,21 @@ async def _run(sampler: str):
         for i in range(2):
             async for out in engine.decisions(dict(BODY), f"d{i}"):
                 answers.append(out)
+        # A request's abort reaches its submitted reads (``DiffusionEngine.submitted``): long chats
+        # hold every batch slot, so the reads wait; aborted, the decision ends in an error, and then
+        # nothing of it is tracked.
+        long = [asyncio.ensure_future(_drain(engine.chat({
+            "model": "m", "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 256,
+            "ignore_eos": True}, f"long{k}"))) for k in range(4)]
+        gone = asyncio.ensure_future(_collect(engine.decisions(dict(BODY), "gone")))
+        deadline = time.monotonic() + 120
+        while not await engine.abort("gone"):  # true once its first reads are submitted
+            assert time.monotonic() < deadline and not gone.done(), "the decision's reads were never submitted"
+            await asyncio.sleep(0.005)
+        aborted = (await gone, await engine.abort("gone"), await engine.abort("d0"))
+        for k, task in enumerate(long):
+            await engine.abort(f"long{k}")
+            await task
         systemone = []
         async for out in engine.systemone({"model": "m", "state": "late parcel", "images": [_picture()],
                                            "questions": {"q": {"type": "noul", "instructions": "Happy?"}}}, "s1"):
@@ -55,7 +72,7 @@ async def _run(sampler: str):
         for i in range(2):
             async for out in engine.decisions(dict(shown), f"i{i}"):
                 seen.append(out)
-        return alone, together, answers, systemone, seen, engine.loop.scheduler.stats
+        return alone, together, answers, systemone, seen, engine.loop.scheduler.stats, aborted
     finally:
         await engine.shutdown()
 
@@ -73,9 +90,16 @@ async def _drain(stream):
         pass
 
 
+async def _collect(stream) -> list:
+    return [item async for item in stream]
+
+
 @pytest.mark.parametrize("sampler", ["fast", "exact"])
 def test_reads_are_batch_invariant_repeatable_and_commit_nothing(sampler):
-    alone, together, answers, systemone, seen, stats = asyncio.run(_run(sampler))
+    alone, together, answers, systemone, seen, stats, aborted = asyncio.run(_run(sampler))
+    (out,), tracked_after, finished_tracked = aborted
+    assert isinstance(out, TandemError) and "aborted" in out.message, out
+    assert not tracked_after and not finished_tracked  # an ended request leaves nothing to abort
     assert together == alone  # bit for bit, with each other and a generating row in the batch
     assert all(isinstance(a, dict) for a in answers) and answers[0]["answers"] == answers[1]["answers"]
     probs = [p["probability"] for p in answers[0]["answers"][1]["probabilities"]]
