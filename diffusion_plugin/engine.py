@@ -160,9 +160,10 @@ class DiffusionEngine:
         req, sreq = p.body, p.request
         items = openai_items(self.generate(request_id, sreq), chat=chat, request_id=request_id, model=self.model,
                              tokenizer=self.adapter.tokenizer, n=sreq.choices, stream=req.stream,
-                             include_usage=req.include_usage(), top_logprobs=sreq.logprobs, structured=p.structured,
+                             include_usage=req.include_usage(), top_logprobs=sreq.params.logprobs,
+                             structured=p.structured,
                              parsing=p.parsing,
-                             continuous_usage=sum(map(len, sreq.prompts)) if req.continuous_usage() else None)
+                             continuous_usage=sum(map(len, sreq.prompt.prompts)) if req.continuous_usage() else None)
         async with aclosing(items):
             async for item in items:
                 yield item
@@ -171,12 +172,14 @@ class DiffusionEngine:
         """The request's sequences run: yields ``Preview``, ``Delta`` and ``End`` per choice, then
         ``Usage``. A sequence whose batch failed raises ``TandemError`` (engine error). Closed
         early (the client left), it aborts whatever of its sequences still runs."""
-        seqs = sreq.sequences(request_id, self.adapter.eos_token_ids)
+        seqs = sreq.sequences(request_id)
+        prompt, output = sreq.prompt, sreq.output
         index = {s.seq_id: i for i, s in enumerate(seqs)}
-        texts = [ChoiceText(self.adapter.tokenizer, sreq.stops, raw=sreq.raw_text,
-                            min_tokens=sreq.sampling.get("min_tokens", 0), include_stop=sreq.include_stop,
-                            keep_special=sreq.keep_special) for _ in seqs]
-        prompts = [sreq.prompts[i // sreq.n] if (sreq.echo or sreq.prompt_logprobs) else None for i in range(len(seqs))]
+        texts = [ChoiceText(self.adapter.tokenizer, list(output.stops), raw=output.raw_text,
+                            min_tokens=sreq.params.min_tokens, include_stop=output.include_stop,
+                            keep_special=output.keep_special) for _ in seqs]
+        prompts = [prompt.prompts[i // output.n] if (output.echo or output.prompt_logprobs) else None
+                   for i in range(len(seqs))]
         shift = [0] * len(seqs)  # echo: the prompt's text comes first, so the output's offsets move by it
         async with self.submitted(request_id, seqs) as queue:
             left = len(seqs)
@@ -190,7 +193,7 @@ class DiffusionEngine:
                     prompts[i], shift[i] = None, len(first.text)
                     yield first
                 if ev.kind is EventKind.PREVIEW:
-                    if sreq.previews:
+                    if sreq.params.previews:
                         yield Preview(i, {"block": ev.seq.block, "step": ev.step,
                                           "max_steps": ev.seq.params.max_denoising_steps,
                                           "text": text.preview(ev.new_ids)})
@@ -206,13 +209,13 @@ class DiffusionEngine:
                         raise TandemError(ErrorKind.ENGINE_ERROR, f"the diffusion batch failed: {ev.seq.error}")
                     rest = text.flush()
                     yield End(i, rest.text, text.finish_reason(ev.seq.status),
-                              _shifted(rest.entries, shift[i]) if sreq.logprobs is not None else None, rest.ids,
+                              _shifted(rest.entries, shift[i]) if sreq.params.logprobs is not None else None, rest.ids,
                               text.num_tokens)
             cached = None
             if getattr(self.loop.runner, "prefix_cache", False):  # each prompt's, once (its choices share it)
-                cached = sum(max(s.cached_tokens for s in seqs[p * sreq.n:(p + 1) * sreq.n])
-                             for p in range(len(sreq.prompts)))
-            yield Usage(sum(map(len, sreq.prompts)), sum(t.num_tokens for t in texts), cached)  # each prompt once
+                cached = sum(max(s.cached_tokens for s in seqs[p * output.n:(p + 1) * output.n])
+                             for p in range(len(prompt.prompts)))
+            yield Usage(sum(map(len, prompt.prompts)), sum(t.num_tokens for t in texts), cached)  # each prompt once
 
     @asynccontextmanager
     async def submitted(self, request_id: str, seqs: list) -> AsyncIterator[asyncio.Queue]:
@@ -317,18 +320,18 @@ def _spans(runner) -> SeqSpans | None:
 def prompt_event(tok, index: int, ids: list[int], seq, sreq: SeqRequest) -> Prompt:
     """A choice's prompt (echo, prompt_logprobs), from its sequence's scores (``Sequence.scores``:
     every prompt token but the first, which has none, as on vLLM)."""
-    scored = sreq.score_k is not None
+    scored = sreq.prompt.score_k is not None
     if scored and len(seq.scores) != len(ids) - 1:
         raise TandemError(ErrorKind.ENGINE_ERROR, f"bug: {len(seq.scores)} scores for a {len(ids)}-token prompt")
-    text = tok.decode(ids, skip_special_tokens=True) if sreq.echo else ""
+    text = tok.decode(ids, skip_special_tokens=True) if sreq.output.echo else ""
     entries = None
-    if sreq.echo and scored and sreq.logprobs is not None:
+    if sreq.output.echo and scored and sreq.params.logprobs is not None:
         offsets = TextOffsets(tok)
         entries = [Entry(ids[0], None, None, offsets.push(ids[0]))]
         entries += [Entry(t, sc.logprob, sc.top, offsets.push(t)) for t, sc in zip(ids[1:], seq.scores, strict=True)]
     plp = None
-    if sreq.prompt_logprobs:
-        k = sreq.score_k
+    if sreq.output.prompt_logprobs:
+        k = sreq.prompt.score_k
         plp = [None] + [{str(t): {"logprob": sc.logprob, "rank": sc.rank, "decoded_token": token_string(tok, t)},
                          **{str(i): {"logprob": v, "rank": r, "decoded_token": token_string(tok, i)}
                             for r, (i, v) in enumerate(sc.top[:k], 1) if i != t}}

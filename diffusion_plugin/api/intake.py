@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from diffusion_plugin.api import params as P
 from diffusion_plugin.api.images import ImageLimits, extract_images, load_images
@@ -25,53 +25,59 @@ DEFAULT_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
-class SeqRequest:
-    """One request as the batcher sees it: its sequences share all of this (``n`` per prompt)."""
+class PromptSpec:
+    """What a request's sequences read before they generate."""
 
-    prompt_ids: list[int]  # the prompt (completions: the first of ``prompts``)
-    images: object | None  # the family's encoded images, or None
-    knobs: dict  # the effective per-sequence knobs (``params.resolve``), ``seed`` included
-    max_tokens: int
-    n: int = 1
-    stops: list[str] = field(default_factory=list)
-    previews: bool = False
-    logprobs: int | None = None  # None: none; k: each committed token's logprob and the top k
-    ignore_eos: bool = False  # blocks go on past EOS until max_tokens (EOS is then an ordinary token)
-    stop_token_ids: tuple[int, ...] = ()  # vLLM's: they end a choice as EOS does, ignore_eos or not
-    include_stop: bool = False  # vLLM's include_stop_str_in_output
-    keep_special: bool = False  # vLLM's skip_special_tokens: false
+    ids: list[int]  # the prompt (completions: the first of ``prompts``)
+    more: tuple[list[int], ...] = ()  # completions: the prompts after the first
+    images: object | None = None  # the family's encoded images, or None
     cache_salt: str | None = None  # vLLM's: the prefix cache shares pages only under one salt
-    priority: int = 0  # vLLM's: waiting rows are admitted most urgent first
-    grammar: object | None = None  # a structured output's compiled grammar (``diffusion_plugin.step.grammar``)
-    raw_text: bool = False  # a parser reads the text: special tokens kept, whole tokens (``chunks.ChoiceText``)
-    more_prompts: list[list[int]] = field(default_factory=list)  # completions: the prompts after the first
-    sampling: dict = field(default_factory=dict)  # vLLM's sampling fields (``params._Base.sampling_fields``)
     score_k: int | None = None  # prompt scoring (echo with logprobs, prompt_logprobs): the top k, else None
-    echo: bool = False  # completions: the prompt's text (and with scoring its entries) first
-    prompt_logprobs: bool = False  # vLLM's ``prompt_logprobs`` in the answer
 
     @property
     def prompts(self) -> list[list[int]]:
-        return [self.prompt_ids, *self.more_prompts]
+        return [self.ids, *self.more]
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What a request's answer shows of its sequences' tokens."""
+
+    n: int = 1  # choices per prompt
+    stops: tuple[str, ...] = ()
+    include_stop: bool = False  # vLLM's include_stop_str_in_output
+    keep_special: bool = False  # vLLM's skip_special_tokens: false
+    raw_text: bool = False  # a parser reads the text: special tokens kept, whole tokens (``chunks.ChoiceText``)
+    echo: bool = False  # completions: the prompt's text (and with scoring its entries) first
+    prompt_logprobs: bool = False  # vLLM's ``prompt_logprobs`` in the answer
+
+
+@dataclass(frozen=True)
+class SeqRequest:
+    """One request as the batcher sees it, typed: its prompt, every choice's sampling (choice i
+    of a prompt draws from ``params.seed + i``; EOS and stop token ids already merged) and its
+    output. Built once (``Intake``, then ``prepare``) and not changed."""
+
+    prompt: PromptSpec
+    params: SamplingParams
+    output: OutputSpec
+    priority: int = 0  # vLLM's: waiting rows are admitted most urgent first
+    grammar: object | None = None  # a structured output's compiled grammar (``diffusion_plugin.step.grammar``)
 
     @property
     def choices(self) -> int:
-        return self.n * len(self.prompts)
+        return self.output.n * len(self.prompt.prompts)
 
-    def sequences(self, request_id: str, eos_token_ids: tuple[int, ...]) -> list[Sequence]:
+    def sequences(self, request_id: str) -> list[Sequence]:
         """Choice ``p * n + i`` (prompt p's choice i, indexed as vLLM indexes a list of prompts) is
         ``<request_id>-<p * n + i>`` with seed + i."""
-        knobs = dict(self.knobs)
-        seed = knobs.pop("seed")
-        eos_token_ids = (() if self.ignore_eos else tuple(eos_token_ids)) + self.stop_token_ids
-        scoring = self.score_k is not None  # the first token encoded, the rest read in score blocks
-        return [Sequence(seq_id=f"{request_id}-{p * self.n + i}", prompt_ids=list(prompt[:1] if scoring else prompt),
-                         params=SamplingParams(max_tokens=self.max_tokens, seed=seed + i, eos_token_ids=eos_token_ids,
-                                               previews=self.previews, logprobs=self.logprobs,
-                                               **self.sampling, **knobs),
-                         images=self.images, grammar=self.grammar, score_ids=list(prompt[1:]) if scoring else [],
-                         score_k=self.score_k or 0, cache_salt=self.cache_salt, priority=self.priority)
-                for p, prompt in enumerate(self.prompts) for i in range(self.n)]
+        n = self.output.n
+        scoring = self.prompt.score_k is not None  # the first token encoded, the rest read in score blocks
+        return [Sequence(seq_id=f"{request_id}-{p * n + i}", prompt_ids=list(prompt[:1] if scoring else prompt),
+                         params=replace(self.params, seed=self.params.seed + i), images=self.prompt.images,
+                         grammar=self.grammar, score_ids=list(prompt[1:]) if scoring else [],
+                         score_k=self.prompt.score_k or 0, cache_salt=self.prompt.cache_salt, priority=self.priority)
+                for p, prompt in enumerate(self.prompt.prompts) for i in range(n)]
 
 
 class Intake:
@@ -128,14 +134,14 @@ class Intake:
             raise invalid("prompt_logprobs: not served with image input on diffusion models", param="prompt_logprobs")
         for prompt in (prompt_ids, *more):
             self._check_fits(prompt, max_tokens, knobs, field, limit_field)
-        return SeqRequest(prompt_ids, images, knobs, max_tokens, n, stops, req.diffusion.previews and req.stream,
-                          logprobs, ignore_eos=ignore_eos, stop_token_ids=stop_ids,
-                          include_stop=bool(getattr(req, "include_stop_str_in_output", False)),
-                          keep_special=not getattr(req, "skip_special_tokens", True), more_prompts=more,
-                          sampling=sampling, score_k=score_k, cache_salt=getattr(req, "cache_salt", None),
-                          priority=getattr(req, "priority", 0) or 0,
-                          echo=bool(getattr(req, "echo", False)), prompt_logprobs=req.prompt_logprobs is not None
-                          if hasattr(req, "prompt_logprobs") else False)
+        eos = (() if ignore_eos else tuple(self.adapter.eos_token_ids)) + stop_ids
+        params = SamplingParams(max_tokens=max_tokens, eos_token_ids=eos, logprobs=logprobs,
+                                previews=req.diffusion.previews and req.stream, **sampling, **knobs)
+        prompt = PromptSpec(prompt_ids, tuple(more), images, getattr(req, "cache_salt", None), score_k)
+        output = OutputSpec(n, tuple(stops), bool(getattr(req, "include_stop_str_in_output", False)),
+                            not getattr(req, "skip_special_tokens", True), echo=bool(getattr(req, "echo", False)),
+                            prompt_logprobs=getattr(req, "prompt_logprobs", None) is not None)
+        return SeqRequest(prompt, params, output, priority=getattr(req, "priority", 0) or 0)
 
     def _canvas_controls(self, d: P.DiffusionKnobs) -> dict:
         """``diffusion``'s canvas controls -> ``SamplingParams``' ``seed_canvas`` and ``pinned``."""

@@ -75,7 +75,7 @@ class Preparer:
             sreq = await self.intake.responses(req, to_messages(req), chat_tools(req.tools))
         _across(sreq, grammar)
         parsing = await self._parsing(body, route, structured, sreq)
-        sreq = replace(sreq, grammar=grammar, raw_text=parsing is not None)
+        sreq = replace(sreq, grammar=grammar, output=replace(sreq.output, raw_text=parsing is not None))
         return Prepared(route, req, sreq, structured, parsing)
 
     async def _constraint(self, body: dict, route: str) -> tuple[Structured | None, object | None]:
@@ -98,7 +98,7 @@ class Preparer:
         if not self.parsers.configured or (structured is not None and structured.tool_mode):
             return None
         with request_errors(body):
-            return await asyncio.to_thread(self.parsers.for_request, body, route, sreq.prompt_ids)
+            return await asyncio.to_thread(self.parsers.for_request, body, route, sreq.prompt.ids)
 
     def _compile(self, structured: Structured):
         from diffusion_plugin.step.grammar import GrammarCompiler
@@ -118,7 +118,7 @@ def _across(sreq: SeqRequest, grammar) -> None:
     seed canvas or a ``min_tokens`` would be overridden (or unsatisfiable): refused."""
     if grammar is None:
         return
-    clash = next((f for f in ("seed_canvas", "min_tokens") if sreq.sampling.get(f)), None)
+    clash = next((f for f in ("seed_canvas", "min_tokens") if getattr(sreq.params, f)), None)
     if clash is not None:
         param = "diffusion.seed_canvas" if clash == "seed_canvas" else clash
         raise invalid(f"{param}: not served with a structured output on diffusion models (the grammar decides "
