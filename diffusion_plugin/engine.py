@@ -80,7 +80,7 @@ class DiffusionEngine:
         # device: its planned pages per layer group).
         runner = Runner(adapter, self.sampler, chunk_rows=self._chunk_rows(), kv_budget_bytes=memory.budget_bytes,
                         kv_groups=memory.groups, prefix_cache=self.args.prefix_cache,
-                        compiled_vocab=self.args.use_compiled_vocab)
+                        compiled_vocab=self.args.use_compiled_vocab, compiled_trunk=self.args.use_compiled_trunk)
         # vLLM's request models and xgrammar (structured outputs) take seconds to import: at
         # start, not in the first constrained request's time.
         await asyncio.to_thread(warm_structured)
@@ -88,7 +88,8 @@ class DiffusionEngine:
         logger.info("%s: diffusion engine on %s, dtype %s, sampler %s%s, boundaries %s, max_batch %d; memory budget "
                     "%.2f GiB (KV page pool %.2f GiB%s); one device per replica (no tensor or pipeline parallelism)",
                     self.model, self.device, str(adapter.dtype).removeprefix("torch."), self.sampler,
-                    " (compiled vocabulary pass)" if self.args.use_compiled_vocab else "",
+                    "".join(f" (compiled {what})" for what, on in (("vocabulary pass", self.args.use_compiled_vocab),
+                                                                    ("trunk", self.args.use_compiled_trunk)) if on),
                     self.args.boundaries, self.max_batch, memory.budget_bytes / GIB, memory.pool_bytes / GIB,
                     "" if memory.groups else ": committed as written")
         return self.start_with(adapter, runner, memory)

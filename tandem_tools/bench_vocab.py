@@ -13,7 +13,9 @@ torch thread as in a Ray actor, CPU time, medians of ``--rounds``):
   compared with eager's.
 
 With ``--steps`` (default 4): whole fast denoise steps of the runner (the trunk and the vocabulary
-pass) at 1 and 4 rows, eager against compiled, CPU seconds a step.
+pass) at 1 and 4 rows, CPU seconds a step: eager; the vocabulary pass compiled (the default on
+the host); and with ``--trunk`` also the trunk compiled (``engine_args.compiled_trunk``: its
+graphs compiled in as many untimed steps first).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 
 
 def measure(model_name: str = "shape-diffusiongemma", rounds: int = 5, threads: int = 1, compile_: bool = True,
-            steps: int = 0) -> dict:
+            steps: int = 0, trunk: bool = False) -> dict:
     import torch
 
     from diffusion_plugin.families import diffusiongemma_vocab as vocab
@@ -91,20 +93,23 @@ def measure(model_name: str = "shape-diffusiongemma", rounds: int = 5, threads: 
     if steps:
         out["step_cpu_s"] = {}
         for rows in (1, 4):
-            runs: dict[str, list[float]] = {"eager": [], "compiled": []}
-            for _ in range(2):  # interleaved: eager, compiled, eager, compiled
+            runs: dict[str, list[float]] = {"eager": [], "compiled": [], **({"compiled_trunk": []} if trunk else {})}
+            for _ in range(2):  # interleaved: eager, compiled, [compiled_trunk,] eager, ...
                 for mode, got in runs.items():
-                    got.append(step_cpu(adapter, rows, mode == "compiled", steps))
+                    got.append(step_cpu(adapter, rows, mode != "eager", steps, mode == "compiled_trunk"))
             out["step_cpu_s"][f"{rows} row(s)"] = {m: round(statistics.median(v), 3) for m, v in runs.items()}
     return out
 
 
-def step_cpu(adapter, rows: int, compiled: bool, steps: int) -> float:
+def step_cpu(adapter, rows: int, compiled: bool, steps: int, trunk: bool = False) -> float:
     """CPU seconds of one whole fast denoise step (the trunk and the vocabulary pass) of ``rows``
-    rows, the median over ``steps`` denoise-only steps."""
+    rows, the median over ``steps`` denoise-only steps (``trunk``: after as many untimed ones, in
+    which its graphs compile)."""
     from tandem_tools.step_driver import Steps
 
-    drive, times = Steps(adapter, rows, compiled=compiled, grow=8, max_tokens=4096), []
+    drive, times = Steps(adapter, rows, compiled=compiled, grow=8, max_tokens=4096, compiled_trunk=trunk), []
+    for _ in range(steps if trunk else 0):
+        drive.run(drive.full())
     while len(times) < steps:
         batch = drive.full()
         t = time.process_time()
@@ -121,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-compile", action="store_true", help="eager and the limit only")
     p.add_argument("--steps", type=int, default=4, help="also time whole denoise steps of the runner, eager vs "
                    "compiled, at 1 and 4 rows: the median of this many steps, two runs each (0: skip)")
+    p.add_argument("--trunk", action="store_true", help="with --steps: also the trunk compiled (compiled_trunk)")
     args = p.parse_args(argv)
-    result = measure(args.model, args.rounds, args.threads, not args.no_compile, 0 if args.no_compile else args.steps)
+    result = measure(args.model, args.rounds, args.threads, not args.no_compile, 0 if args.no_compile else args.steps,
+                     args.trunk)
     print(json.dumps(result, indent=1))
     return 0
 

@@ -6,6 +6,11 @@ admits ``rows`` sequences, runs until each is denoising, then counts the ops of 
 denoise-only step under a ``TorchDispatchMode``: in all, per layer, the most frequent, and the
 host synchronisations among them (``_local_scalar_dense``: ``.item()``/``.tolist()``;
 ``nonzero``), which stall a device's queue.
+
+With ``--compiled-trunk`` (``engine_args.compiled_trunk``) the trunk is one compiled graph, whose
+work a dispatch mode does not see: its launches are counted from the code inductor generates
+(each fused kernel and each extern call: GEMMs, the grouped experts), and the rest of the step
+(the vocabulary pass, the sampler) by the dispatch mode, as before.
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ from collections import Counter
 SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.is_nonzero")
 
 
-def count_step(adapter, rows: int, sampler: str = "fast", prompt_len: int = 16) -> dict:
-    """One denoise-only step of ``rows`` rows: {"ops", "per_layer", "syncs", "top"}."""
+def count_step(adapter, rows: int, sampler: str = "fast", prompt_len: int = 16, compiled_trunk: bool = False) -> dict:
+    """One denoise-only step of ``rows`` rows: {"ops", "per_layer", "syncs", "top"} (and, with
+    ``compiled_trunk``, "trunk": the compiled trunk's launches in place of its eager ops)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
     from tandem_tools.step_driver import Steps
 
@@ -37,12 +43,44 @@ def count_step(adapter, rows: int, sampler: str = "fast", prompt_len: int = 16) 
     drive = Steps(adapter, rows, sampler, prompt_len=prompt_len)
     batch = drive.full()
     counter = Count()
+    trunk: dict = {}
+    if compiled_trunk:
+        eager = drive.runner.passes._decode
+
+        def counted(*args):  # the eager trunk's ops taken out, the compiled one's launches put in
+            before = sum(counter.ops.values())
+            out = eager(*args)
+            trunk["eager_ops"] = sum(counter.ops.values()) - before
+            with _disable_current_modes():
+                trunk["launches"] = compiled_launches(adapter.decode_hidden, args)
+            return out
+        drive.runner.passes._decode = counted
     with torch.inference_mode(), counter:
         drive.runner.execute(batch, drive.seqs)
     total = sum(counter.ops.values())
+    if compiled_trunk:
+        total += trunk["launches"]["kernels"] + trunk["launches"]["extern"] - trunk["eager_ops"]
     layers = len(adapter.layer_types)
     return {"rows": rows, "ops": total, "per_layer": round(total / layers, 1), "layers": layers,
-            "syncs": {k: counter.ops[k] for k in SYNCS if counter.ops[k]}, "top": counter.ops.most_common(8)}
+            "syncs": {k: counter.ops[k] for k in SYNCS if counter.ops[k]}, "top": counter.ops.most_common(8),
+            **({"trunk": trunk} if compiled_trunk else {})}
+
+
+def compiled_launches(forward, args) -> dict:
+    """The launches of one call of ``forward`` compiled as the trunk is (``compiled.compile_trunk``),
+    read from the code inductor generates for it (a fresh compilation: Dynamo's caches are reset)."""
+    import re
+
+    import torch._dynamo
+    from torch._inductor.utils import run_and_get_code
+
+    from diffusion_plugin.step.compiled import compile_trunk
+
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(compile_trunk(forward), *args)
+    call = codes[-1][codes[-1].index("def call("):]
+    return {"kernels": len(re.findall(r"^\s+cpp_fused_\w+\(|^\s+triton_\w+\.run\(", call, re.M)),
+            "extern": len(re.findall(r"extern_kernels\.\w+\(|torch\.ops\.\w+\.\w+\.default\(", call))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,4", help="rows per step, comma-separated (default: 1,4)")
     p.add_argument("--sampler", choices=["fast", "exact"], default="fast")
     p.add_argument("--json", action="store_true", help="one JSON line per row count")
+    p.add_argument("--compiled-trunk", action="store_true", help="the trunk compiled (engine_args.compiled_trunk): "
+                   "its launches counted from inductor's code")
     args = p.parse_args(argv)
     import torch
 
@@ -61,13 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     path = args.model if "/" in args.model else str(tiny_models.build(args.model))
     adapter = DiffusionGemmaAdapter(path)
     for rows in (int(x) for x in args.rows.split(",")):
-        result = count_step(adapter, rows, args.sampler)
+        result = count_step(adapter, rows, args.sampler, compiled_trunk=args.compiled_trunk)
         if args.json:
             print(json.dumps(result))
         else:
             print(f"{args.model}, {args.sampler}, {rows} row(s): {result['ops']:,} aten ops per denoise step, "
                   f"{result['per_layer']:,} per layer ({result['layers']} layers); host syncs {result['syncs']}; "
-                  f"most frequent {result['top']}")
+                  f"most frequent {result['top']}"
+                  + (f"; compiled trunk {result['trunk']}" if args.compiled_trunk else ""))
     return 0
 
 

@@ -10,7 +10,6 @@ in the reference's order: canvas init per block; per step the multinomial, then 
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -20,9 +19,10 @@ from diffusion_plugin.families import diffusiongemma_moe as moe
 from diffusion_plugin.families import diffusiongemma_vocab as vocab
 from diffusion_plugin.step import gemm, kv_view
 from diffusion_plugin.step.attention import ATTN_NAME, ENCODE, EncodeCacheView, EncodeSpec, register
+from diffusion_plugin.step.local_var import LocalVar
 
 # The self-conditioning soft embeddings of the current decoder forward (see decode_hidden).
-SOFT: ContextVar[torch.Tensor | None] = ContextVar("tandem_soft", default=None)
+SOFT: LocalVar[torch.Tensor | None] = LocalVar("tandem_soft", None)
 
 FAMILY = "diffusiongemma"
 

@@ -23,6 +23,7 @@ from diffusion_plugin.batcher.memory import PAGE_TOKENS
 from diffusion_plugin.family import Family
 from diffusion_plugin.step import gemm
 from diffusion_plugin.step.attention import FAST
+from diffusion_plugin.step.compiled import bucket, compile_trunk
 from diffusion_plugin.step.draws import GRAMMAR, INIT, RENOISE, SAMPLE, hash_draws, hash_uniform
 from diffusion_plugin.step.kv_view import FastViews, KVPool, free_bytes, release
 from diffusion_plugin.step.prefix_cache import chunks, page_keys
@@ -34,14 +35,15 @@ class FastPasses:
 
     def __init__(self, adapter: Family, chunk_rows: int = 1, kv_budget_bytes: int | None = None,
                  kv_groups: tuple[memory.KVGroup, ...] = (), prefix_cache: bool = False, rowwise: bool = False,
-                 compiled_vocab: bool = False):
+                 compiled_vocab: bool = False, compiled_trunk: bool = False):
         """The KV pool, one ``torch.empty`` per layer: ``kv_groups`` (``memory.plan_pool``, the
         plan the scheduler admits against: a device) gives its pages per layer group. Otherwise
         ``kv_budget_bytes``, the memory budget, sizes it (default: the budget the engine derives by
         default from the memory free now): on the host (``memory.pool_pages``, lazy: only the pages
         written take memory, and whatever the budget admits fits), or an equal count per layer
         within the budget on a device without a plan (tests). ``rowwise``: each row alone through
-        the passes (slower; for measurements)."""
+        the passes (slower; for measurements). ``compiled_trunk``: the decoder forward compiled
+        (``compiled``)."""
         self.adapter = adapter
         self.chunk_rows = max(1, int(chunk_rows))
         self.kv_budget_bytes = kv_budget_bytes
@@ -49,7 +51,8 @@ class FastPasses:
         self.pool: KVPool | None = None  # made at the first admission
         self.prefix_cache = bool(prefix_cache)
         self.prefix_queries = self.prefix_hits = 0  # since start (a pool reset keeps them: counters)
-        self.views = FastViews()
+        self.views = FastViews(bucket if compiled_trunk else None)
+        self._decode = compile_trunk(adapter.decode_hidden) if compiled_trunk else adapter.decode_hidden
         self.rowwise = bool(rowwise)
         self.row_views: dict[str, FastViews] = {}
         self.scratch = adapter.vocab_scratch(compiled_vocab)  # reusable vocabulary buffers
@@ -151,7 +154,7 @@ class FastPasses:
         token = FAST.set(spec)
         try:
             with self.adapter.fast_experts(True), gemm.rows(width):
-                return self.adapter.decode_hidden(canvas, view, positions, soft)
+                return self._decode(canvas, view, positions, soft)
         finally:
             FAST.reset(token)
 

@@ -13,12 +13,13 @@ rows flattened (the MoE router's input). The experts run as grouped GEMMs
 from __future__ import annotations
 
 from contextlib import contextmanager
-from contextvars import ContextVar
 
 import torch
 
+from diffusion_plugin.step.local_var import LocalVar
+
 # The canvas length while a fast-mode pass over canvases runs (0: off).
-ROWS: ContextVar[int] = ContextVar("tandem_row_gemms", default=0)
+ROWS: LocalVar[int] = LocalVar("tandem_row_gemms", 0)
 
 
 def bmm_blocks(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
@@ -27,6 +28,19 @@ def bmm_blocks(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     if n == 1:
         x = x.expand(2, -1, -1)
     return torch.bmm(x, weight_t.expand(x.shape[0], -1, -1))[:n]
+
+
+@torch.library.custom_op("tandem::grouped_mm", mutates_args=())
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs=offs)`` as one opaque op. Its own meta function takes bf16
+    only, so a float32 trunk could not be traced (``torch.compile``); through this op a traced
+    trunk calls the grouped GEMM as it is, and eager mode runs the same kernel."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@grouped_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])
 
 
 def install(model, skip: tuple = ()) -> None:

@@ -242,9 +242,12 @@ class FastViews:
     """The decoder's per-batch metadata (block tables, valid ranges), rebuilt when the batch or a
     row's cache changes (in block mode: at block boundaries). Never a copy of K/V."""
 
-    def __init__(self):
+    def __init__(self, widths=None):
+        """``widths``: a table's width from its longest row's pages (``compiled.bucket``); None:
+        that many pages."""
         self._key: tuple | None = None
         self._spec: tuple[CacheView, FastSpec] | None = None
+        self._widths = widths
 
     def reset(self) -> None:
         self._key, self._spec = None, None
@@ -255,13 +258,13 @@ class FastViews:
             self._key, self._spec = key, self._build(caches)
         return self._spec
 
-    @staticmethod
-    def _build(caches: list):
+    def _build(self, caches: list):
         layers, empty = {}, []
         for i, first in enumerate(caches[0].layers):
             rows = [c.layers[i] for c in caches]
             device = first.pool.k[i].device
             width = max(len(r.pages) for r in rows)
+            width = self._widths(width) if self._widths is not None else width
             table = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in rows], dtype=torch.long,
                                  device=device)
             ranges = torch.tensor([[r.first_page * ATTN_BLOCK, r.visible_from(r.length), r.length] for r in rows],

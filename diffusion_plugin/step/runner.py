@@ -37,7 +37,7 @@ SAMPLERS = ("exact", "fast")
 class Runner:
     def __init__(self, adapter: Family, sampler: str = "exact", chunk_rows: int = 1, kv_budget_bytes: int | None = None,
                  kv_groups: tuple[memory.KVGroup, ...] = (), prefix_cache: bool = False,
-                 rowwise: bool = False, compiled_vocab: bool = False):
+                 rowwise: bool = False, compiled_vocab: bool = False, compiled_trunk: bool = False):
         """``sampler``'s passes (``exact_passes``, ``fast_passes``: the others' arguments are
         fast mode's, see ``FastPasses``; exact mode ignores them)."""
         if sampler not in SAMPLERS:
@@ -45,7 +45,8 @@ class Runner:
         self.adapter = adapter
         self.sampler = sampler
         self.passes: ExactPasses | FastPasses = (
-            FastPasses(adapter, chunk_rows, kv_budget_bytes, kv_groups, prefix_cache, rowwise, compiled_vocab)
+            FastPasses(adapter, chunk_rows, kv_budget_bytes, kv_groups, prefix_cache, rowwise, compiled_vocab,
+                       compiled_trunk)
             if sampler == "fast" else ExactPasses(adapter))
         self.rows: dict[str, Row] = {}
         self.cached: dict[str, int] = {}  # this step's admitted sequences: prompt tokens found cached

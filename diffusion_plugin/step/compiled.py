@@ -1,0 +1,39 @@
+"""The fast trunk compiled (``engine_args.compiled_trunk``): the family's whole decoder forward
+as ``torch.compile`` (inductor) graphs, one per (lone row or several, context pages, first step
+of a block or not); on a device each graph's kernels are the CUDA-graph-ready unit.
+
+The trunk traces as ONE graph: what a pass sets for the family's forward is a ``LocalVar``
+(Dynamo cannot trace ``ContextVar.get``), the grouped experts are one opaque op
+(``gemm.grouped_mm``), and the eager-only counters are not counted while compiling. The row
+count is dynamic (rows 2..max_batch share a graph; a lone row has its own, as its GEMMs are
+padded to two); the block tables are padded to a power of two of pages (``FastViews``), so the
+graphs of a server's life are a few per size class, not one per context length.
+
+What it gives (``docs/benchmarks.md``): at DiffusionGemma's shape on the CPU, a trunk's CPU time
+0.61x eager at one row and 0.71x at four, 34 kernels per layer (32 inductor kernels and 36 GEMMs
+or attention reads for two layers) against ~320 aten ops; a row's bits do not depend on its
+batch mates or the table's padding (tested), and differ from the eager trunk by ~5e-5. The cost:
+each graph compiles on the first step that needs it (20-35 s on the tiny model on this CPU), in
+that step. So it is off by default.
+"""
+
+from __future__ import annotations
+
+RECOMPILE_LIMIT = 64  # graphs one trunk may compile (size classes); past it an error, never eager
+
+
+def compile_trunk(forward):
+    """``forward`` (a family's ``decode_hidden``) as a compiled function."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.cache_size_limit = max(config.cache_size_limit, RECOMPILE_LIMIT)
+    # Past the limit Dynamo would run the eager trunk (other bits) without a word: fail instead.
+    config.fail_on_recompile_limit_hit = True
+    return torch.compile(forward, dynamic=True)
+
+
+def bucket(pages: int) -> int:
+    """A block table's width padded to the next power of two (the extra pages: the null page,
+    fully masked: they add exact zeros)."""
+    return 1 << max(0, pages - 1).bit_length()
