@@ -63,10 +63,10 @@ class DiffusionEngineArgs(BaseModel):
                                  "forward as torch.compile (inductor) graphs, one per size class (a lone row or "
                                  "several; context pages padded to a power of two; a block's first step or not), "
                                  "each compiled in the first step that needs it (20-35 s on the tiny model on a CPU; "
-                                 "the step waits). At DiffusionGemma's shape on a CPU a trunk costs 0.61x (1 row) to "
-                                 "0.71x (4 rows) the eager one's CPU, in 34 kernels a layer; tokens stay "
-                                 "batch-invariant but differ from the eager trunk's (~5e-5 in the hidden states). "
-                                 "Off by default until measured on a device.")
+                                 "the step waits). At DiffusionGemma's shape on a CPU the trunk takes ~34 kernels a "
+                                 "layer and 0.8x the eager one's CPU, but a whole step no less (the vocabulary pass "
+                                 "dominates there); tokens stay batch-invariant but differ from the eager trunk's "
+                                 "(~5e-5 in the hidden states). Off by default until measured on a device.")
     tool_call_parser: str | None = Field(None, min_length=1, description="vLLM's tool parser name (`gemma4` for "
                                          "DiffusionGemma): serves `tool_choice: \"auto\"` (the committed text is "
                                          "parsed into tool calls by vLLM's parser class), as `vllm serve "

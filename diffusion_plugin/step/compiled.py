@@ -9,12 +9,13 @@ count is dynamic (rows 2..max_batch share a graph; a lone row has its own, as it
 padded to two); the block tables are padded to a power of two of pages (``FastViews``), so the
 graphs of a server's life are a few per size class, not one per context length.
 
-What it gives (``docs/benchmarks.md``): at DiffusionGemma's shape on the CPU, a trunk's CPU time
-0.61x eager at one row and 0.71x at four, 34 kernels per layer (32 inductor kernels and 36 GEMMs
-or attention reads for two layers) against ~320 aten ops; a row's bits do not depend on its
-batch mates or the table's padding (tested), and differ from the eager trunk by ~5e-5. The cost:
-each graph compiles on the first step that needs it (20-35 s on the tiny model on this CPU), in
-that step. So it is off by default.
+What it gives (``docs/benchmarks.md``, shape-diffusiongemma, one CPU thread): ~34 launches a
+layer (30-32 inductor kernels and 36 GEMMs or grouped GEMMs for two layers) against ~320 eager
+aten ops; a row's bits do not depend on its batch mates or the table's padding (tested), and
+differ from the eager trunk's by ~5e-5. The trunk's CPU is 0.8x eager's, but there the trunk is
+a fifth of a step (hidden 128; the vocabulary pass is the rest), so a whole step does not get
+cheaper on the CPU. Each graph compiles in the first step that needs it (4-35 s on this CPU),
+and that step waits. So it is off by default: it is the step's shape for a device.
 """
 
 from __future__ import annotations
