@@ -85,11 +85,12 @@ class DiffusionEngine:
         # start, not in the first constrained request's time.
         await asyncio.to_thread(warm_structured)
         await asyncio.to_thread(runner.warm)  # (compiled_vocab: its kernel)
+        compiled = " (compiled vocabulary pass)" if self.args.use_compiled_vocab else ""
+        if self.args.use_compiled_trunk:
+            compiled += " (compiled trunk)"
         logger.info("%s: diffusion engine on %s, dtype %s, sampler %s%s, boundaries %s, max_batch %d; memory budget "
                     "%.2f GiB (KV page pool %.2f GiB%s); one device per replica (no tensor or pipeline parallelism)",
-                    self.model, self.device, str(adapter.dtype).removeprefix("torch."), self.sampler,
-                    "".join(f" (compiled {what})" for what, on in (("vocabulary pass", self.args.use_compiled_vocab),
-                                                                    ("trunk", self.args.use_compiled_trunk)) if on),
+                    self.model, self.device, str(adapter.dtype).removeprefix("torch."), self.sampler, compiled,
                     self.args.boundaries, self.max_batch, memory.budget_bytes / GIB, memory.pool_bytes / GIB,
                     "" if memory.groups else ": committed as written")
         return self.start_with(adapter, runner, memory)

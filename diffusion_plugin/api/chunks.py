@@ -251,6 +251,13 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
         entries = calls[ev.index].add(ev.text)
         return {"tool_calls": entries} if entries else {}
 
+    def keep(ev: Delta | End) -> None:  # what the final answer (and usage) is built from
+        made[ev.index] = max(made[ev.index], ev.tokens)
+        texts[ev.index] += ev.text
+        ids[ev.index] += ev.ids or []
+        if ev.entries is not None:
+            entries[ev.index].extend(ev.entries)
+
     def finish_reason(index: int, reason: str) -> str:
         called = tool_mode == "required" or (parsers is not None and parsers[index].tools_called)
         return "tool_calls" if called and reason == "stop" else reason
@@ -270,22 +277,14 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
                     lp = None if ev.entries is None else logprobs_object(tokenizer, ev.entries, k, chat)
                     yield chunk(ev.index, {"content": ev.text}, logprobs=lp)
             elif isinstance(ev, Delta):
-                made[ev.index] = max(made[ev.index], ev.tokens)
-                texts[ev.index] += ev.text
-                ids[ev.index] += ev.ids or []
-                if ev.entries is not None:
-                    entries[ev.index].extend(ev.entries)
+                keep(ev)
                 if stream:
                     lp = None if ev.entries is None else logprobs_object(tokenizer, ev.entries, k, chat)
                     delta = content(ev)
                     if delta or lp is not None:
                         yield chunk(ev.index, delta, logprobs=lp)
             elif isinstance(ev, End):
-                made[ev.index] = max(made[ev.index], ev.tokens)
-                texts[ev.index] += ev.text
-                ids[ev.index] += ev.ids or []
-                if ev.entries is not None:
-                    entries[ev.index].extend(ev.entries)
+                keep(ev)
                 if stream:
                     lp = None if not ev.entries else logprobs_object(tokenizer, ev.entries, k, chat)
                     delta = content(ev)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,10 +29,27 @@ from pydantic import BaseModel
 from diffusion_plugin.api import params as P
 from diffusion_plugin.api.intake import Intake, SeqRequest
 from diffusion_plugin.api.parsing import Parsers
+from diffusion_plugin.api.responses import NEUTRAL, ResponsesBody, chat_tools, to_messages
 from diffusion_plugin.api.structured import Structured, request_errors, resolve, wanted
 from tandem_core.errors import invalid
 
-ROUTES = ("chat", "completions", "responses")
+
+@dataclass(frozen=True)
+class Route:
+    """One generation route's way in: its body model, the extra fields it accepts as neutral
+    (``params.refuse_unsupported``), and the intake call that makes its ``SeqRequest``."""
+
+    body: type[BaseModel]
+    neutral: dict[str, tuple] | None
+    intake: Callable[[Intake, Any], Awaitable[SeqRequest]]
+
+
+ROUTES: dict[str, Route] = {
+    "chat": Route(P.ChatBody, None, Intake.chat),
+    "completions": Route(P.CompletionBody, None, Intake.completion),
+    "responses": Route(ResponsesBody, NEUTRAL,
+                       lambda intake, req: intake.responses(req, to_messages(req), chat_tools(req.tools))),
+}
 
 
 @dataclass(frozen=True)
@@ -56,23 +74,10 @@ class Preparer:
 
     async def prepare(self, body: dict, route: str) -> Prepared:
         """``body`` of ``route`` (one of ``ROUTES``) as a ``Prepared``. Raises ``TandemError``."""
-        if route == "chat":
-            req = P.parse(P.ChatBody, body)
-        elif route == "completions":
-            req = P.parse(P.CompletionBody, body)
-        else:
-            from diffusion_plugin.api.responses import NEUTRAL, ResponsesBody
-
-            req = P.parse(ResponsesBody, body, NEUTRAL)
+        way = ROUTES[route]
+        req = P.parse(way.body, body, way.neutral)
         structured, grammar = await self._constraint(body, route)
-        if route == "chat":
-            sreq = await self.intake.chat(req)
-        elif route == "completions":
-            sreq = await self.intake.completion(req)
-        else:
-            from diffusion_plugin.api.responses import chat_tools, to_messages
-
-            sreq = await self.intake.responses(req, to_messages(req), chat_tools(req.tools))
+        sreq = await way.intake(self.intake, req)
         _across(sreq, grammar)
         parsing = await self._parsing(body, route, structured, sreq)
         sreq = replace(sreq, grammar=grammar, output=replace(sreq.output, raw_text=parsing is not None))

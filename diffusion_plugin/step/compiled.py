@@ -6,8 +6,8 @@ The trunk traces as ONE graph: what a pass sets for the family's forward is a ``
 (Dynamo cannot trace ``ContextVar.get``), the grouped experts are one opaque op
 (``gemm.grouped_mm``), and the eager-only counters are not counted while compiling. The row
 count is dynamic (rows 2..max_batch share a graph; a lone row has its own, as its GEMMs are
-padded to two); the block tables are padded to a power of two of pages (``FastViews``), so the
-graphs of a server's life are a few per size class, not one per context length.
+padded to two); the block tables are padded to a power of two of pages (``kv_view.bucket_width``),
+so the graphs of a server's life are a few per size class, not one per context length.
 
 What it gives (``docs/benchmarks.md``, shape-diffusiongemma, one CPU thread): ~34 launches a
 layer (30-32 inductor kernels and 36 GEMMs or grouped GEMMs for two layers) against ~320 eager
@@ -24,17 +24,16 @@ RECOMPILE_LIMIT = 64  # graphs one trunk may compile (size classes); past it an 
 
 
 def compile_trunk(forward):
-    """``forward`` (a family's ``decode_hidden``) as a compiled function."""
-    import torch._dynamo
+    """``forward`` (a family's ``decode_hidden``) as a compiled function. Its calls, and only its
+    calls, run under a recompile limit of ``RECOMPILE_LIMIT`` that fails when hit: past it Dynamo
+    would otherwise run the eager trunk (other bits) without a word. The process's Dynamo
+    configuration, which other compiled functions read, is left as it is."""
+    import torch
 
-    config = torch._dynamo.config
-    config.cache_size_limit = max(config.cache_size_limit, RECOMPILE_LIMIT)
-    # Past the limit Dynamo would run the eager trunk (other bits) without a word: fail instead.
-    config.fail_on_recompile_limit_hit = True
-    return torch.compile(forward, dynamic=True)
+    compiled = torch.compile(forward, dynamic=True)
 
+    def trunk(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            return compiled(*args, **kwargs)
 
-def bucket(pages: int) -> int:
-    """A block table's width padded to the next power of two (the extra pages: the null page,
-    fully masked: they add exact zeros)."""
-    return 1 << max(0, pages - 1).bit_length()
+    return trunk

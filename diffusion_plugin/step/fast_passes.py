@@ -23,7 +23,7 @@ from diffusion_plugin.batcher.memory import PAGE_TOKENS
 from diffusion_plugin.family import Family
 from diffusion_plugin.step import gemm
 from diffusion_plugin.step.attention import FAST
-from diffusion_plugin.step.compiled import bucket, compile_trunk
+from diffusion_plugin.step.compiled import compile_trunk
 from diffusion_plugin.step.draws import GRAMMAR, INIT, RENOISE, SAMPLE, hash_draws, hash_uniform
 from diffusion_plugin.step.kv_view import FastViews, KVPool, free_bytes, release
 from diffusion_plugin.step.prefix_cache import chunks, page_keys
@@ -51,7 +51,7 @@ class FastPasses:
         self.pool: KVPool | None = None  # made at the first admission
         self.prefix_cache = bool(prefix_cache)
         self.prefix_queries = self.prefix_hits = 0  # since start (a pool reset keeps them: counters)
-        self.views = FastViews(bucket if compiled_trunk else None)
+        self.views = FastViews(bucket=compiled_trunk)
         self._decode = compile_trunk(adapter.decode_hidden) if compiled_trunk else adapter.decode_hidden
         self.rowwise = bool(rowwise)
         self.row_views: dict[str, FastViews] = {}

@@ -238,16 +238,22 @@ class CacheView:
         self.layers = layers
 
 
+def bucket_width(pages: int) -> int:
+    """A block table's width padded to the next power of two (the extra pages: the null page,
+    fully masked: they add exact zeros)."""
+    return 1 << max(0, pages - 1).bit_length()
+
+
 class FastViews:
     """The decoder's per-batch metadata (block tables, valid ranges), rebuilt when the batch or a
     row's cache changes (in block mode: at block boundaries). Never a copy of K/V."""
 
-    def __init__(self, widths=None):
-        """``widths``: a table's width from its longest row's pages (``compiled.bucket``); None:
-        that many pages."""
+    def __init__(self, bucket: bool = False):
+        """``bucket``: a table is as wide as its longest row's pages padded to a power of two
+        (``bucket_width``; the compiled trunk's few graphs per size class); else that many pages."""
         self._key: tuple | None = None
         self._spec: tuple[CacheView, FastSpec] | None = None
-        self._widths = widths
+        self._bucket = bucket
 
     def reset(self) -> None:
         self._key, self._spec = None, None
@@ -264,7 +270,7 @@ class FastViews:
             rows = [c.layers[i] for c in caches]
             device = first.pool.k[i].device
             width = max(len(r.pages) for r in rows)
-            width = self._widths(width) if self._widths is not None else width
+            width = bucket_width(width) if self._bucket else width
             table = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in rows], dtype=torch.long,
                                  device=device)
             ranges = torch.tensor([[r.first_page * ATTN_BLOCK, r.visible_from(r.length), r.length] for r in rows],

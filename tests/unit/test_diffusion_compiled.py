@@ -8,13 +8,14 @@ import torch
 
 from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
 from diffusion_plugin.step import attention, gemm
-from diffusion_plugin.step.compiled import bucket, compile_trunk
+from diffusion_plugin.step.compiled import compile_trunk
+from diffusion_plugin.step.kv_view import bucket_width
 from tandem_tools.step_driver import Steps
-from tests.unit.test_diffusion_fast import _run
+from tests.fast_runs import run as _run
 from workers import tiny_models
 
 # Prompts 25, 40 and 90 tokens long, joining mid-run: rows of one and two KV pages (128 tokens)
-# in one batch, so a row's table is padded past its own pages (a power of two: ``bucket``).
+# in one batch, so a row's table is padded past its own pages (a power of two: ``bucket_width``).
 ARRIVALS = {0: [0, 1], 3: [2]}
 
 
@@ -41,7 +42,25 @@ def _captured(adapter, rows: int, grow: int = 0):
 
 
 def test_table_widths_are_padded_to_a_power_of_two():
-    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+    assert [bucket_width(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+
+
+def test_the_trunk_recompile_limit_is_its_own_and_fails_loudly(monkeypatch):
+    """``compile_trunk`` leaves the process's Dynamo configuration (which the compiled vocabulary
+    pass and any other compiled function read) as it was, and past its own limit it raises rather
+    than running eager code."""
+    import torch._dynamo
+
+    from diffusion_plugin.step import compiled
+
+    before = (torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit)
+    monkeypatch.setattr(compiled, "RECOMPILE_LIMIT", 1)
+    trunk = compile_trunk(lambda x: x * 2 + 1)
+    assert torch.equal(trunk(torch.ones(3)), torch.full((3,), 3.0))
+    assert (torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit) == before
+    with pytest.raises(Exception, match="(?i)recompile"):
+        trunk(torch.ones(3, dtype=torch.float64))  # another dtype: a second graph, past the limit of one
+    torch._dynamo.reset()
 
 
 def test_the_fast_trunk_traces_as_one_graph(adapter):

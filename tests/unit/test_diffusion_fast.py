@@ -12,47 +12,15 @@ from diffusion_plugin.step import attention, kv_view
 from diffusion_plugin.step.runner import Runner
 from tests.experts_cases import experts_case as _experts_case
 from tests.experts_cases import routed_tokens as _tokens
+from tests.fast_runs import ARRIVALS, LONG_ARRIVALS
+from tests.fast_runs import run as _run
 from workers import tiny_models
-
-# 90 > window; 300 and 600 span several KV pages (ATTN_BLOCK 256) and their sliding layer drops pages.
-PROMPTS = [[(7 * i + j) % 1000 + 3 for j in range(n)] for i, n in enumerate((25, 40, 90, 17, 14, 60, 300, 600))]
-ARRIVALS = {0: [0, 1], 3: [2], 20: [3, 4], 40: [5]}  # step -> prompts arriving then (mid-block joins)
-LONG_ARRIVALS = {0: [6, 0], 5: [7], 12: [2]}
 
 
 @pytest.fixture(scope="module")
 def adapter():
     torch.set_num_threads(1)
     return DiffusionGemmaAdapter(str(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA)))
-
-
-def _run(adapter, arrivals, sampler="fast", max_batch=4, steps=16, row_boundaries=False, max_tokens=70,
-         on_step=None, rowwise=False, compiled=False, trunk=False):
-    params = {**adapter.defaults(), "max_denoising_steps": steps}
-    sched = Scheduler(max_batch=max_batch, canvas_length=adapter.canvas_length, row_boundaries=row_boundaries)
-    runner = Runner(adapter, sampler, kv_budget_bytes=64 << 20, rowwise=rowwise, compiled_vocab=compiled,
-                    chunk_rows=3 if compiled else 1, compiled_trunk=trunk)  # (compiled: chunks of 3 rows and of 1)
-    seqs, calls, widths, step = {}, [], [], 0
-    while step <= max(arrivals) or sched.has_work():
-        for i in arrivals.get(step, []):
-            seq = Sequence(seq_id=f"s{i}", prompt_ids=PROMPTS[i], params=SamplingParams(
-                max_tokens=max_tokens, seed=10 + i, eos_token_ids=(), **params))
-            seqs[seq.seq_id] = seq
-            sched.add(seq)
-        step += 1
-        batch, _ = sched.schedule()
-        if batch.empty():
-            continue
-        before = attention.KERNEL_CALLS[0]
-        if on_step is not None:
-            on_step(runner, batch, "before")
-        sched.update(runner.execute(batch, seqs))
-        if on_step is not None:
-            on_step(runner, batch, "after")
-        if batch.denoise:
-            calls.append(attention.KERNEL_CALLS[0] - before)
-            widths.append(len(batch.denoise))
-    return {s: q.output_ids for s, q in seqs.items()}, calls, widths
 
 
 @pytest.mark.parametrize("rowwise", [False, True], ids=["batched", "rowwise"])
