@@ -7,10 +7,13 @@ torch thread as in a Ray actor, CPU time, medians of ``--rounds``):
   soft embedding's (probabilities -> hidden), each (C, H) x (H, V) into reused buffers;
 - **eager**: ``diffusiongemma_vocab.fast_chunk`` as the runner calls it (the two GEMMs, softcap,
   temperature, max, exp, mass, entropy, the inverse-CDF draw: ~12 passes over C x V);
-- **compiled**: ``fast_chunk`` with ``Scratch(compiled=True)`` (``engine_args.compiled_vocab``):
-  the elementwise passes and reductions as one ``torch.compile``d (inductor) function per row,
-  the GEMMs and the draw left as they are. Its compilation is timed apart; its outputs are
-  compared with eager's.
+- **compiled**: ``fast_chunk`` with ``Scratch(compiled=True)`` (``engine_args.compiled_vocab``),
+  as a row without top logprobs or pinned scores takes it: blocked over the vocabulary
+  (``diffusiongemma_blocked``), each block's logits kept in the cache;
+- **compiled_fused**: the compiled pass a row with top logprobs or pinned scores takes: the
+  elementwise passes and reductions over the whole logits as one ``torch.compile``d (inductor)
+  function per row, the GEMMs and the draw left as they are.
+The compilation is timed apart; the compiled passes' outputs are compared with eager's.
 
 With ``--steps`` (default 4): whole fast denoise steps of the runner (the trunk and the vocabulary
 pass) at 1 and 4 rows, CPU seconds a step: eager; the vocabulary pass compiled (the default on
@@ -57,8 +60,15 @@ def measure(model_name: str = "shape-diffusiongemma", rounds: int = 5, threads: 
 
     compiled_scratch = vocab.Scratch(compiled=True) if compile_ else None
 
+    fused_scratch = vocab.Scratch(compiled=True) if compile_ else None
+    if fused_scratch is not None:
+        fused_scratch.blocked = None  # the whole-logits kernel alone
+
     def compiled():
         return vocab.fast_chunk(model, hidden, inv_t, uniform, compiled_scratch)[:4]
+
+    def compiled_fused():
+        return vocab.fast_chunk(model, hidden, inv_t, uniform, fused_scratch)[:4]
 
     def cpu(fn) -> float:
         t = time.process_time()
@@ -73,15 +83,19 @@ def measure(model_name: str = "shape-diffusiongemma", rounds: int = 5, threads: 
         with torch.inference_mode():
             compiled_scratch.warm(model, C, hidden.device)
         out["compile_s"] = round(time.perf_counter() - t, 1)
-        cases["compiled"] = compiled
         with torch.inference_mode():
-            a, b = eager(), compiled()
-        out["compiled_vs_eager"] = {
-            "argmax_equal": bool(torch.equal(a[1], b[1])),
-            "sampled_equal_share": float((a[0] == b[0]).float().mean()),
-            "entropy_max_abs_diff": float((a[2] - b[2]).abs().max()),
-            "soft_max_rel_diff": float((a[3] - b[3]).abs().max() / a[3].abs().max()),
-        }
+            fused_scratch.warm(model, C, hidden.device)
+        cases["compiled"], cases["compiled_fused"] = compiled, compiled_fused
+        with torch.inference_mode():
+            a = eager()
+            for name in ("compiled", "compiled_fused"):
+                b = cases[name]()
+                out[f"{name}_vs_eager"] = {
+                    "argmax_equal": bool(torch.equal(a[1], b[1])),
+                    "sampled_equal_share": float((a[0] == b[0]).float().mean()),
+                    "entropy_max_abs_diff": float((a[2] - b[2]).abs().max()),
+                    "soft_max_rel_diff": float((a[3] - b[3]).abs().max() / a[3].abs().max()),
+                }
     times: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(rounds):  # interleaved
         for name, fn in cases.items():

@@ -182,19 +182,39 @@ class Scratch:
     op costs its page faults every time (~0.1 s on one CPU core, as much as the op itself).
     Fixed memory (two canvas x vocab units per row in flight), not per sequence.
 
-    ``compiled``: the vocabulary pass's elementwise math as one inductor kernel per row
-    (``_vocab_math`` under ``torch.compile``), where a chunk has no filter and no grammar."""
+    ``compiled`` (the host's default): a row with no filter, grammar, top logprobs or pinned
+    scores takes the pass blocked over the vocabulary (``diffusiongemma_blocked``: nothing
+    vocabulary-sized written); a chunk with top logprobs or pinned scores but no filter and no
+    grammar, the elementwise math as one inductor kernel per row (``_vocab_math``)."""
 
     def __init__(self, compiled: bool = False):
+        from diffusion_plugin.families.diffusiongemma_blocked import Blocked
+
         self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.fused = _compiled_math() if compiled else None
+        self.blocked = Blocked() if compiled else None
 
     def warm(self, model, canvas: int, device) -> None:
-        """Compiles the fused pass now (at engine start), not in the first request's step."""
+        """Compiles the compiled passes now (at engine start), not in the first request's step."""
+        if self.blocked is not None:
+            H = model.lm_head.weight.shape[1]
+            self.run_blocked(model, torch.zeros(1, canvas, H, device=device), torch.ones(1, device=device),
+                             torch.full((1, canvas), 0.5, dtype=torch.float64, device=device))
         if self.fused is not None:
             x, e = self.get((1, canvas, model.lm_head.weight.shape[0]), device)
             x.zero_()
             self.run_fused(x, e, torch.ones(1, device=device), float(model.final_logit_softcapping))
+
+    def run_blocked(self, model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.Tensor):
+        """The blocked pass, one row at a time: (sampled, argmax, entropy, soft) of ``hidden``'s
+        rows; None if it failed, and from then on the other passes serve."""
+        try:
+            parts = [self.blocked.row(model, hidden[b], inv_t[b:b + 1], uniform[b]) for b in range(hidden.shape[0])]
+        except Exception:  # noqa: BLE001 - the one place a failure of the blocked pass is handled
+            logger.exception("the blocked vocabulary pass failed; the other passes serve from now on")
+            self.blocked = None
+            return None
+        return tuple(torch.stack(xs) for xs in zip(*parts, strict=True))
 
     def run_fused(self, x: torch.Tensor, e: torch.Tensor, inv_t: torch.Tensor, cap: float):
         """The fused pass, one row at a time (the same kernel and shape whatever the batch):
@@ -229,6 +249,12 @@ def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.
     cap = model.final_logit_softcapping
     weight = model.lm_head.weight
     R, C, _ = hidden.shape
+    plain = not any(f is not None for f in filtered or []) and not any(g is not None for g in grammars or [])
+    if (scratch.blocked is not None and plain and weight.dtype == hidden.dtype == torch.float32
+            and not any(k is not None for k in ks or []) and not any(q is not None for q in pins or [])):
+        blocked = scratch.run_blocked(model, hidden, inv_t, uniform)
+        if blocked is not None:
+            return (*blocked, [None] * R, [None] * R)
     x, e = scratch.get((R, C, weight.shape[0]), hidden.device)
     _head(hidden, weight, x)
     filtered = [(b, f) for b, f in enumerate(filtered or []) if f is not None]

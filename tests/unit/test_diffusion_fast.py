@@ -58,8 +58,9 @@ def test_fast_mode_makes_one_attention_call_per_layer_per_step(adapter):
 
 
 def test_the_compiled_vocabulary_pass_is_batch_invariant(adapter):
-    """``compiled_vocab``: one inductor kernel per row, so a row's tokens are the same alone and
-    among batch mates (chunks of 3 rows and of 1), and the rows differ."""
+    """``compiled_vocab`` (the pass blocked over the vocabulary, one row at a time): a row's
+    tokens are the same alone and among batch mates (chunks of 3 rows and of 1), and the rows
+    differ."""
     together, _, widths = _run(adapter, ARRIVALS, compiled=True)
     assert max(widths) == 4
     for i in range(6):
@@ -68,28 +69,42 @@ def test_the_compiled_vocabulary_pass_is_batch_invariant(adapter):
     assert len({tuple(v) for v in together.values()}) == 6
 
 
-def test_the_compiled_vocabulary_pass_matches_the_eager_one(adapter, caplog):
-    """The same math as the eager passes (their exp and tanh round differently in the last bits),
-    and a compiled pass that fails hands over to the eager passes for good, with a log line."""
+@pytest.mark.parametrize("block", [8192, 256], ids=["one-block", "blocks-and-a-tail"])
+def test_the_compiled_vocabulary_passes_match_the_eager_one(adapter, caplog, monkeypatch, block):
+    """The same math as the eager passes (their exp and tanh round differently in the last bits):
+    the pass blocked over the vocabulary (rows without top logprobs: ``block`` ids a block, the
+    tiny vocabulary of 1,039 in one block, or in four and a tail), and the fused one (a row with
+    top logprobs in the chunk). A compiled pass that fails hands over for good, with a log line:
+    the blocked one to the fused one, that to the eager passes."""
+    from diffusion_plugin.families import diffusiongemma_blocked as blocked
     from diffusion_plugin.families import diffusiongemma_vocab as vocab
 
+    monkeypatch.setattr(blocked, "VOCAB_BLOCK", block)
     model, C, H = adapter.model, adapter.canvas_length, adapter.model.lm_head.weight.shape[1]
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(3, C, H, generator=g) * 4
     inv_t, uniform = torch.tensor([1.0, 1 / 0.4, 1 / 0.8]), torch.rand(3, C, generator=g, dtype=torch.float64)
+
+    def close(a, b):
+        for name, x, y in zip(("sampled", "argmax"), a[:2], b[:2], strict=True):
+            assert float((x == y).float().mean()) >= 0.99, name
+        assert torch.allclose(a[2], b[2], atol=1e-4) and torch.allclose(a[3], b[3], rtol=1e-4, atol=1e-4)
+
+    def fail(*_):
+        raise RuntimeError("no compiler")
+
     with torch.no_grad():
         eager = vocab.fast_chunk(model, hidden, inv_t, uniform, vocab.Scratch())
-        compiled = vocab.fast_chunk(model, hidden, inv_t, uniform, vocab.Scratch(compiled=True), ks=[2, None, None])
-        for name, a, b in zip(("sampled", "argmax"), eager[:2], compiled[:2], strict=True):
-            assert float((a == b).float().mean()) >= 0.99, name
-        assert torch.allclose(eager[2], compiled[2], atol=1e-4) and torch.allclose(eager[3], compiled[3], rtol=1e-4,
-                                                                                    atol=1e-4)
-        assert compiled[4][0] is not None and compiled[4][0][1].shape == (C, 2)  # top logprobs still served
+        scratch = vocab.Scratch(compiled=True)
+        scratch.fused = fail  # the blocked pass serves rows without top logprobs: never called
+        close(eager, vocab.fast_chunk(model, hidden, inv_t, uniform, scratch))
+        fused = vocab.fast_chunk(model, hidden, inv_t, uniform, vocab.Scratch(compiled=True), ks=[2, None, None])
+        close(eager, fused)
+        assert fused[4][0] is not None and fused[4][0][1].shape == (C, 2)  # top logprobs still served
         broken = vocab.Scratch(compiled=True)
-
-        def fail(*_):
-            raise RuntimeError("no compiler")
-
+        broken.blocked.math = fail
+        close(eager, vocab.fast_chunk(model, hidden, inv_t, uniform, broken))  # the fused pass, from now on
+        assert broken.blocked is None and "blocked vocabulary pass failed" in caplog.text
         broken.fused = fail
         fallback = vocab.fast_chunk(model, hidden, inv_t, uniform, broken)
     assert broken.fused is None and "eager passes serve" in caplog.text
@@ -116,6 +131,35 @@ def test_fast_sampler_follows_the_distribution(adapter):
     ids = _inverse_cdf(e, u)[0]
     freq = torch.bincount(ids, minlength=4)[:4].double() / ids.numel()
     assert int(freq[1]) == 0 and torch.allclose(freq, probs[:4].double(), atol=0.02)
+
+
+@pytest.mark.parametrize("scale", [2.0, 0.5], ids=["peaked", "spread"])
+def test_the_blocked_pass_draws_with_the_softmax_probabilities(adapter, monkeypatch, scale):
+    """The blocked pass's draw (the sub-block from the masses kept, the id inside it from its
+    logits computed again) picks ids with the softmax probabilities of the processed logits,
+    across blocks and the tail (the tiny vocabulary of 1,039 in blocks of 256). Peaked (top id
+    ~0.8): id by id; spread (~190 ids carry it): by bins of 64 ids (an id's own frequency is
+    noise there). Deterministic draws; a draw one id or one sub-block off fails by ~10x the bound."""
+    from diffusion_plugin.families import diffusiongemma_blocked as blocked
+
+    monkeypatch.setattr(blocked, "VOCAB_BLOCK", 256)
+    model, H, n = adapter.model, adapter.model.lm_head.weight.shape[1], 20000
+    g = torch.Generator().manual_seed(3)
+    hidden = (torch.randn(1, H, generator=g) * scale).expand(n, H).contiguous()  # one position, n draws
+    inv_t, uniform = torch.tensor([1 / 0.8]), torch.rand(n, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        sampled, argmax, _, _ = blocked.Blocked().row(model, hidden, inv_t, uniform)
+        cap = model.final_logit_softcapping
+        probs = torch.softmax(torch.tanh(model.lm_head(hidden[0]) / cap) * cap * inv_t, -1).double()
+    freq = torch.bincount(sampled, minlength=probs.numel()).double() / n
+    assert int(argmax[0]) == int(probs.argmax())
+    if scale > 1:
+        assert probs.max() > 0.5 and (freq - probs).abs().sum() < 0.05, (freq - probs).abs().sum()
+    else:
+        def bins(f):
+            return torch.zeros(-(-f.numel() // 64), dtype=f.dtype).index_add_(0, torch.arange(f.numel()) // 64, f)
+
+        assert probs.max() < 0.1 and (bins(freq) - bins(probs)).abs().sum() < 0.04
 
 
 # The shape model's experts (128 x top 8 at hidden 128), then wider hiddens where the BLAS's
