@@ -78,6 +78,18 @@ def proc_cpu_s(pid: int, sys_only: bool = False) -> float:
     return (stime if sys_only else int(fields[11]) + stime) / CLK_TCK
 
 
+def tree_cpu_s(before: dict[int, float], pids) -> float:
+    """The CPU seconds ``pids`` spent since ``before`` (pid -> ``proc_cpu_s`` then; a pid not in it
+    started since). A process that ended in between is left out: its whole life's CPU must not be
+    taken off the others'."""
+    total = 0.0
+    for p in pids:
+        now = proc_cpu_s(p)
+        if now or p not in before:
+            total += max(0.0, now - before.get(p, 0.0))
+    return total
+
+
 def proc_tree(root: int) -> list[int]:
     """``root`` and every live descendant (the gateway, Ray's daemons, the replica actors)."""
     children: dict[int, list[int]] = {}
@@ -254,7 +266,7 @@ def run_tandem(args, name: str, model_path: str, workdir: Path, levels: list[int
             rep = _replica(url, name)
             pid = rep["pid"]
             before, tree = rep["engine"], proc_tree(server.proc.pid)
-            cpu0, rcpu0, rsys0 = sum(proc_cpu_s(p) for p in tree), proc_cpu_s(pid), proc_cpu_s(pid, sys_only=True)
+            cpu0, rcpu0, rsys0 = {p: proc_cpu_s(p) for p in tree}, proc_cpu_s(pid), proc_cpu_s(pid, sys_only=True)
             rss0 = proc_mem(pid).get("VmRSS", 0)
             reset_peak(pid)
             t0 = time.perf_counter()
@@ -264,7 +276,7 @@ def run_tandem(args, name: str, model_path: str, workdir: Path, levels: list[int
             wall = time.perf_counter() - t0
             peak = proc_mem(pid).get("VmHWM", 0)
             tree = set(tree) | set(proc_tree(server.proc.pid))
-            cpu, rcpu = sum(proc_cpu_s(p) for p in tree) - cpu0, proc_cpu_s(pid) - rcpu0
+            cpu, rcpu = tree_cpu_s(cpu0, tree), proc_cpu_s(pid) - rcpu0
             rsys = proc_cpu_s(pid, sys_only=True) - rsys0  # page faults (zeroing fresh memory) land here
             after = _replica(url, name)["engine"]
             steps = _delta(after, before, "steps")
