@@ -291,6 +291,9 @@ def run_tandem(args, name: str, model_path: str, workdir: Path, levels: list[int
                 "admission_wait_mean_ms": 1000 * _delta(after, before, "admission_wait_sum_s")
                 / max(_delta(after, before, "admitted"), 1),
                 "cpu_ms_per_token": 1000 * cpu / tokens, "replica_cpu_ms_per_token": 1000 * rcpu / tokens,
+                # per row-step: does not depend on where a random model's EOS falls or on how the
+                # arrivals happened to batch (a block's rows join at its boundary)
+                "replica_cpu_ms_per_row_step": 1000 * rcpu / max(_delta(after, before, "row_steps"), 1),
                 "sys_cpu_share": rsys / rcpu if rcpu else float("nan"),
                 **memory_per_row(rss0, peak, rss.mean, min(c, max_batch)),
                 **engine.summary(), "engine_memory": _memory_stats(after),
@@ -431,6 +434,7 @@ COLUMNS = [
     ("outside forwards", "outside_forward_share", "{:.1%}"),
     ("CPU ms/token (all processes)", "cpu_ms_per_token", "{:.0f}"),
     ("CPU ms/token (replica)", "replica_cpu_ms_per_token", "{:.0f}"),
+    ("CPU ms/row-step (replica)", "replica_cpu_ms_per_row_step", "{:.0f}"),
     ("of it in the kernel (page faults)", "sys_cpu_share", "{:.0%}"),
     ("peak RSS growth/row MB", "peak_growth_per_row_mb", "{:.0f}"),
     ("mean RSS growth/row MB", "mean_growth_per_row_mb", "{:.0f}"),
