@@ -15,7 +15,8 @@ does not grow with the batch.
   argmax and the log-softmax shift, entropy and soft embedding from one exp), sampling by
   inverse CDF with one uniform per position (C draws, not C x V), from a counter-based hash
   of (seed, step, position) so rows need no generator and a row's draws never depend on its
-  batch mates.
+  batch mates. With ``compiled_vocab`` (``Scratch(compiled=True)``) a row that needs nothing
+  but its draws takes the same math blocked over the vocabulary (``diffusiongemma_blocked``).
 """
 
 from __future__ import annotations

@@ -14,8 +14,10 @@ layer (30-32 inductor kernels and 36 GEMMs or grouped GEMMs for two layers) agai
 aten ops; a row's bits do not depend on its batch mates or the table's padding (tested), and
 differ from the eager trunk's by ~5e-5. The trunk's CPU is 0.8x eager's, but there the trunk is
 a fifth of a step (hidden 128; the vocabulary pass is the rest), so a whole step does not get
-cheaper on the CPU. Each graph compiles in the first step that needs it (4-35 s on this CPU),
-and that step waits. So it is off by default: it is the step's shape for a device.
+cheaper on the CPU. The graphs of a one-page context compile at engine start (``Runner.warm``
+rehearses a block of one row and of two); a longer context's compile in the first step that
+needs them (4-35 s each on this CPU), and that step waits. Off by default: it is the step's
+shape for a device.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ class FastPasses:
         self.pool: KVPool | None = None  # made at the first admission
         self.prefix_cache = bool(prefix_cache)
         self.prefix_queries = self.prefix_hits = 0  # since start (a pool reset keeps them: counters)
+        self.compiled_trunk = bool(compiled_trunk)
         self.views = FastViews(bucket=compiled_trunk)
         self._decode = compile_trunk(adapter.decode_hidden) if compiled_trunk else adapter.decode_hidden
         self.rowwise = bool(rowwise)

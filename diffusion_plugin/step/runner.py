@@ -110,8 +110,38 @@ class Runner:
         return not any(pool.cache.key_of)  # what is still registered is held by a sequence
 
     def warm(self) -> None:
-        """Compiles what the sampler compiles (fast: ``compiled_vocab``) now, not in a request's step."""
+        """Compiles what the sampler compiles now, not in a request's step: fast mode's
+        ``compiled_vocab`` kernels, and with ``compiled_trunk`` the trunk's graphs of a context of
+        one page (a lone row and several; a block's first step and the others), by running a
+        one-block rehearsal of one row, then of two. A longer context's graphs (tables of 2, 4, ...
+        pages) compile in the first step that needs them."""
         self.passes.warm()
+        if self.sampler == "fast" and self.passes.compiled_trunk:
+            for rows in (1, 2):
+                self._rehearse(rows)
+
+    def _rehearse(self, rows: int) -> None:
+        """``rows`` one-token prompts through a scheduler of their own for one block of two
+        denoising steps; their rows freed after (their pages back to the pool)."""
+        from diffusion_plugin.batcher.request import SamplingParams
+        from diffusion_plugin.batcher.scheduler import Scheduler
+
+        C = self.adapter.canvas_length
+        sched, seqs = Scheduler(max_batch=rows, canvas_length=C), {}
+        params = {**self.adapter.defaults(), "max_denoising_steps": 2}
+        for i in range(rows):
+            seq = Sequence(seq_id=f"rehearsal-{rows}-{i}", prompt_ids=[i + 1],
+                           params=SamplingParams(max_tokens=C, seed=i, eos_token_ids=(), **params))
+            seqs[seq.seq_id] = seq
+            sched.add(seq)
+        try:
+            while sched.has_work():
+                batch, _ = sched.schedule()
+                if not batch.empty():
+                    sched.update(self.execute(batch, seqs))
+        finally:
+            for seq_id in seqs:
+                self.free(seq_id)
 
     def held_bytes(self) -> int:
         """Bytes held by sequences between steps beyond their KV caches (for measurements)."""

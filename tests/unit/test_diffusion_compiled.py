@@ -97,3 +97,41 @@ def test_the_compiled_trunk_is_batch_invariant_and_close_to_eager(adapter):
     finally:
         attention.FAST.reset(token)
     assert torch.allclose(eager, compiled, atol=1e-3, rtol=1e-3), (eager - compiled).abs().max()
+
+
+def test_an_engine_with_the_compiled_trunk_compiles_at_start_and_then_serves_without_compiling():
+    """``engine_args.compiled_trunk`` through ``DiffusionEngine``: its start rehearses a block of
+    one row and of two (``Runner.warm``), so chats of one page of context, alone and two at once,
+    compile no graph in a serving step, and answer as the same engine's eager trunk would in kind
+    (the tokens differ in the last bits' draws: not compared)."""
+    import asyncio
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from diffusion_plugin.engine import DiffusionEngine
+
+    path = str(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA))
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40}
+
+    async def main():
+        engine = DiffusionEngine("m", path, {"sampler": "fast", "num_threads": 1, "compiled_trunk": True})
+        await engine.start()
+        try:
+            async def chat(seed: int, rid: str) -> list:
+                return [x async for x in engine.chat({**body, "seed": seed}, rid)]
+
+            at_start = counters["stats"]["unique_graphs"]
+            alone = await chat(1, "a")
+            two = await asyncio.gather(chat(2, "b"), chat(3, "c"))
+            return at_start, counters["stats"]["unique_graphs"], alone, two
+        finally:
+            await engine.shutdown()
+
+    torch._dynamo.reset()  # the graphs earlier tests compiled (other adapters) are not this engine's
+    before = counters["stats"]["unique_graphs"]
+    at_start, after, alone, two = asyncio.run(main())
+    assert at_start - before >= 4  # the trunk's: one row and several, a block's first step and later ones
+    assert after == at_start, "a serving step compiled a graph the start did not"
+    for answer in [alone[0], *(t[0] for t in two)]:
+        assert answer["choices"][0]["finish_reason"] in ("stop", "length") and answer["usage"]["completion_tokens"] > 0
