@@ -80,14 +80,15 @@ class DiffusionEngine:
         # device: its planned pages per layer group).
         runner = Runner(adapter, self.sampler, chunk_rows=self._chunk_rows(), kv_budget_bytes=memory.budget_bytes,
                         kv_groups=memory.groups, prefix_cache=self.args.prefix_cache,
-                        compiled_vocab=self.args.use_compiled_vocab, compiled_trunk=self.args.use_compiled_trunk)
+                        compiled_vocab=self.args.use_compiled_vocab, compiled_trunk=self.args.use_compiled_trunk,
+                        cuda_graphs=self.args.cuda_graphs)
         # vLLM's request models and xgrammar (structured outputs) take seconds to import: at
         # start, not in the first constrained request's time.
         await asyncio.to_thread(warm_structured)
         await asyncio.to_thread(runner.warm)  # (compiled_vocab: its kernel)
         compiled = " (compiled vocabulary pass)" if self.args.use_compiled_vocab else ""
         if self.args.use_compiled_trunk:
-            compiled += " (compiled trunk)"
+            compiled += " (compiled trunk, CUDA graphs)" if self.args.cuda_graphs else " (compiled trunk)"
         logger.info("%s: diffusion engine on %s, dtype %s, sampler %s%s, boundaries %s, max_batch %d; memory budget "
                     "%.2f GiB (KV page pool %.2f GiB%s); one device per replica (no tensor or pipeline parallelism)",
                     self.model, self.device, str(adapter.dtype).removeprefix("torch."), self.sampler, compiled,

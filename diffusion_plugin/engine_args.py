@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from diffusion_plugin.api.images import ImageLimits
 from diffusion_plugin.batcher.memory import KV_FRACTION
@@ -72,6 +72,12 @@ class DiffusionEngineArgs(BaseModel):
                                  "(the vocabulary pass dominates there); tokens stay batch-invariant but differ "
                                  "from the eager trunk's (~5e-5 in the hidden states). Off by default until "
                                  "measured on a device.")
+    cuda_graphs: bool = Field(False, description="With compiled_trunk on a cuda device: the compiled trunk's "
+                              "graphs captured as CUDA graphs (torch.compile's reduce-overhead mode), one per row "
+                              "count and size class, and replayed (one launch for the trunk's ~34 kernels a "
+                              "layer); the KV page pool is marked static, so a replay copies no KV. Needs "
+                              "compiled_trunk, the fast sampler and a cuda device (else the config fails at load). "
+                              "Not yet run on a device: off by default.")
     tool_call_parser: str | None = Field(None, min_length=1, description="vLLM's tool parser name (`gemma4` for "
                                          "DiffusionGemma): serves `tool_choice: \"auto\"` (the committed text is "
                                          "parsed into tool calls by vLLM's parser class), as `vllm serve "
@@ -97,6 +103,14 @@ class DiffusionEngineArgs(BaseModel):
         if v not in ADAPTERS:
             raise ValueError(f"unknown model family {v!r}; known: {', '.join(sorted(ADAPTERS))}")
         return v
+
+    @model_validator(mode="after")
+    def _cuda_graphs_need_a_compiled_trunk_on_a_device(self):
+        if self.cuda_graphs and (not self.use_compiled_trunk or self.device == "cpu"):
+            raise ValueError("cuda_graphs needs compiled_trunk: true, sampler: fast and a cuda device (a replica "
+                             f"with num_gpus); here compiled_trunk={self.compiled_trunk}, sampler={self.sampler}, "
+                             f"device={self.device}")
+        return self
 
     def image_limits(self) -> ImageLimits:
         return ImageLimits(max_images=self.max_images, max_image_bytes=self.max_image_bytes,

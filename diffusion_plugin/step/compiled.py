@@ -25,17 +25,34 @@ from __future__ import annotations
 RECOMPILE_LIMIT = 64  # graphs one trunk may compile (size classes); past it an error, never eager
 
 
-def compile_trunk(forward):
+def compile_trunk(forward, cuda_graphs: bool = False):
     """``forward`` (a family's ``decode_hidden``) as a compiled function. Its calls, and only its
     calls, run under a recompile limit of ``RECOMPILE_LIMIT`` that fails when hit: past it Dynamo
     would otherwise run the eager trunk (other bits) without a word. The process's Dynamo
-    configuration, which other compiled functions read, is left as it is."""
+    configuration, which other compiled functions read, is left as it is.
+
+    ``cuda_graphs`` (``engine_args.cuda_graphs``, a cuda device): inductor's CUDA graph trees
+    (``mode="reduce-overhead"``) capture each graph at its second call and replay it from then on;
+    an input not marked static is copied into the graph's buffers at each replay (the KV pool is
+    marked: ``mark_static``), and the output is copied out (a replay overwrites its buffers)."""
     import torch
 
-    compiled = torch.compile(forward, dynamic=True)
+    compiled = torch.compile(forward, dynamic=True, mode="reduce-overhead" if cuda_graphs else None)
 
     def trunk(*args, **kwargs):
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            if cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+                return compiled(*args, **kwargs).clone()
             return compiled(*args, **kwargs)
 
     return trunk
+
+
+def mark_static(pool) -> None:
+    """The KV pool's tensors (allocated once, read in place by the trunk) as static inputs of the
+    CUDA graphs: a replay reads them where they are instead of copying them in."""
+    import torch._dynamo
+
+    for t in (*pool.k, *pool.v):
+        torch._dynamo.mark_static_address(t)

@@ -23,7 +23,7 @@ from diffusion_plugin.batcher.memory import PAGE_TOKENS
 from diffusion_plugin.family import Family
 from diffusion_plugin.step import gemm
 from diffusion_plugin.step.attention import FAST
-from diffusion_plugin.step.compiled import compile_trunk
+from diffusion_plugin.step.compiled import compile_trunk, mark_static
 from diffusion_plugin.step.draws import GRAMMAR, INIT, RENOISE, SAMPLE, hash_draws, hash_uniform
 from diffusion_plugin.step.kv_view import FastViews, KVPool, free_bytes, release
 from diffusion_plugin.step.prefix_cache import chunks, page_keys
@@ -35,7 +35,7 @@ class FastPasses:
 
     def __init__(self, adapter: Family, chunk_rows: int = 1, kv_budget_bytes: int | None = None,
                  kv_groups: tuple[memory.KVGroup, ...] = (), prefix_cache: bool = False, rowwise: bool = False,
-                 compiled_vocab: bool = False, compiled_trunk: bool = False):
+                 compiled_vocab: bool = False, compiled_trunk: bool = False, cuda_graphs: bool = False):
         """The KV pool, one ``torch.empty`` per layer: ``kv_groups`` (``memory.plan_pool``, the
         plan the scheduler admits against: a device) gives its pages per layer group. Otherwise
         ``kv_budget_bytes``, the memory budget, sizes it (default: the budget the engine derives by
@@ -43,7 +43,7 @@ class FastPasses:
         written take memory, and whatever the budget admits fits), or an equal count per layer
         within the budget on a device without a plan (tests). ``rowwise``: each row alone through
         the passes (slower; for measurements). ``compiled_trunk``: the decoder forward compiled
-        (``compiled``)."""
+        (``compiled``), with ``cuda_graphs`` captured and replayed as CUDA graphs."""
         self.adapter = adapter
         self.chunk_rows = max(1, int(chunk_rows))
         self.kv_budget_bytes = kv_budget_bytes
@@ -53,7 +53,9 @@ class FastPasses:
         self.prefix_queries = self.prefix_hits = 0  # since start (a pool reset keeps them: counters)
         self.compiled_trunk = bool(compiled_trunk)
         self.views = FastViews(bucket=compiled_trunk)
-        self._decode = compile_trunk(adapter.decode_hidden) if compiled_trunk else adapter.decode_hidden
+        self.cuda_graphs = bool(cuda_graphs and compiled_trunk)
+        self._decode = (compile_trunk(adapter.decode_hidden, self.cuda_graphs) if compiled_trunk
+                        else adapter.decode_hidden)
         self.rowwise = bool(rowwise)
         self.row_views: dict[str, FastViews] = {}
         self.scratch = adapter.vocab_scratch(compiled_vocab)  # reusable vocabulary buffers
@@ -104,6 +106,8 @@ class FastPasses:
     def _kv_pool(self) -> KVPool:
         if self.pool is None:
             self.pool = KVPool(self.adapter.kv_layout(), self.kv_pages(), self.adapter.dtype, self.adapter.device)
+            if self.cuda_graphs:
+                mark_static(self.pool)
         return self.pool
 
     def kv_pages(self) -> int | list[int]:

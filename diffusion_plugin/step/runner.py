@@ -37,7 +37,8 @@ SAMPLERS = ("exact", "fast")
 class Runner:
     def __init__(self, adapter: Family, sampler: str = "exact", chunk_rows: int = 1, kv_budget_bytes: int | None = None,
                  kv_groups: tuple[memory.KVGroup, ...] = (), prefix_cache: bool = False,
-                 rowwise: bool = False, compiled_vocab: bool = False, compiled_trunk: bool = False):
+                 rowwise: bool = False, compiled_vocab: bool = False, compiled_trunk: bool = False,
+                 cuda_graphs: bool = False):
         """``sampler``'s passes (``exact_passes``, ``fast_passes``: the others' arguments are
         fast mode's, see ``FastPasses``; exact mode ignores them)."""
         if sampler not in SAMPLERS:
@@ -46,7 +47,7 @@ class Runner:
         self.sampler = sampler
         self.passes: ExactPasses | FastPasses = (
             FastPasses(adapter, chunk_rows, kv_budget_bytes, kv_groups, prefix_cache, rowwise, compiled_vocab,
-                       compiled_trunk)
+                       compiled_trunk, cuda_graphs)
             if sampler == "fast" else ExactPasses(adapter))
         self.rows: dict[str, Row] = {}
         self.cached: dict[str, int] = {}  # this step's admitted sequences: prompt tokens found cached

@@ -15,7 +15,7 @@ export PYTHONPATH=/tmp/site:$PWD
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
 } 2>&1 | tee "$OUT/env.txt"
 timeout 120 python3 tests/gpu/probe_gemm.py cuda 2>&1 | tee "$OUT/probe_gemm.log"
-timeout "${GPU_TESTS_S:-200}" python3 -m pytest tests/gpu -q -rs -s -p no:cacheprovider \
+timeout "${GPU_TESTS_S:-300}" python3 -m pytest tests/gpu -q -rs -s -p no:cacheprovider \
   -W ignore::UserWarning -W ignore::FutureWarning 2>&1 | tee "$OUT/gpu_tests.log"
 timeout "${BENCH_S:-150}" python3 -m tandem_tools.bench_device --sections throughput --out "$OUT/throughput.json" \
   2>&1 | grep -v "Loading weights" | tee "$OUT/throughput.log"

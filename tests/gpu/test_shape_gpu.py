@@ -5,7 +5,9 @@
 - fast: batch-invariant (a sequence's tokens do not depend on its batch mates);
 - memory: peak device memory grows by <= 1 GiB per row, and nothing stays behind (beyond the
   fast mode's KV page pool, reserved once);
-- the fast mode's grouped experts (torch._grouped_mm) are batch-invariant on the device too.
+- the fast mode's grouped experts (torch._grouped_mm) are batch-invariant on the device too;
+- the compiled trunk under CUDA graphs (``engine_args.cuda_graphs``) replays the compiled step bit
+  for bit, and launches at most 60 kernels a layer (issue 36).
 Run on a lent device: ``python -m pytest tests/gpu -q -rs -s`` (prints the memory figures).
 """
 
@@ -43,11 +45,12 @@ def prompts(adapter):
 
 
 def _run(adapter, sampler: str, prompts: list, arrivals: dict, knobs: dict, max_batch: int = 4,
-         max_tokens: int = MAX_TOKENS, seed0: int = 100, rowwise: bool = False) -> tuple[dict, int, Runner]:
-    """Drive scheduler + runner like the engine's loop; returns (outputs by prompt index, widest batch, runner)."""
+         max_tokens: int = MAX_TOKENS, seed0: int = 100, rowwise: bool = False, **compiled) -> tuple[dict, int, Runner]:
+    """Drive scheduler + runner like the engine's loop; returns (outputs by prompt index, widest
+    batch, runner). ``compiled``: the Runner's ``compiled_trunk`` and ``cuda_graphs``."""
     params = {**adapter.defaults(), "max_denoising_steps": STEPS, **knobs}
     sched = Scheduler(max_batch=max_batch, canvas_length=adapter.canvas_length)
-    runner = Runner(adapter, sampler=sampler, kv_budget_bytes=KV_BUDGET, rowwise=rowwise)
+    runner = Runner(adapter, sampler=sampler, kv_budget_bytes=KV_BUDGET, rowwise=rowwise, **compiled)
     seqs, widest, step = {}, 0, 0
     while step <= max(arrivals) or sched.has_work():
         for i in arrivals.get(step, []):
@@ -92,6 +95,35 @@ def test_fast_is_batch_invariant_on_gpu(adapter, prompts, rowwise):
         alone, _, _ = _run(adapter, "fast", prompts, {0: [i]}, {}, rowwise=rowwise)
         assert alone[i] == together[i], f"prompt {i}: its fast-mode tokens depend on its batch mates"
         assert len(alone[i]) == MAX_TOKENS
+
+
+def test_a_cuda_graph_replay_equals_the_compiled_step_on_gpu(adapter, prompts):
+    """``engine_args.cuda_graphs``: the compiled trunk captured as CUDA graphs (one per row count
+    and size class) and replayed gives every row the same tokens as the same compiled graphs run
+    without capture (the same kernels), with rows joining mid-block; and a row's tokens alone
+    equal its tokens among mates."""
+    graphs, widest, _ = _run(adapter, "fast", prompts, ARRIVALS, {}, compiled_trunk=True, cuda_graphs=True)
+    plain, _, _ = _run(adapter, "fast", prompts, ARRIVALS, {}, compiled_trunk=True)
+    assert widest >= 3
+    assert graphs == plain, "a CUDA graph replay differs from the compiled step it captured"
+    alone, _, _ = _run(adapter, "fast", prompts, {0: [3]}, {}, compiled_trunk=True, cuda_graphs=True)
+    assert alone[3] == graphs[3], "under CUDA graphs a row's tokens depend on its batch mates"
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_compiled_trunk_launches_at_most_60_kernels_a_layer_on_gpu(adapter, rows):
+    """Issue 36's count on the device: the compiled trunk's launches (triton kernels and GEMM or
+    grouped-GEMM calls, read from inductor's code) per layer, at 1 and 4 rows; no host sync in the
+    step (``tandem_tools.opcount``)."""
+    from tandem_tools.opcount import count_step
+
+    result = count_step(adapter, rows, "fast", compiled_trunk=True)
+    launches = result["trunk"]["launches"]
+    per_layer = (launches["kernels"] + launches["extern"]) / result["layers"]
+    print(f"\ncompiled trunk on {DEVICE}, {rows} row(s): {launches} = {per_layer:.1f} a layer; whole step "
+          f"{result['ops']} ({result['per_layer']} a layer)")
+    assert launches["kernels"] > 0 and per_layer <= 60, result
+    assert not result["syncs"], result
 
 
 @pytest.mark.parametrize("sampler", ["exact", "fast"])

@@ -72,6 +72,9 @@ def test_cli_exits_non_zero_on_a_bad_config(tmp_path, capsys):
         ({"memory_budget_gib": -1}, "models.0.engine_args.memory_budget_gib", "greater than 0"),
         ({"max_batchh": 4}, "models.0.engine_args.max_batchh", "Extra inputs"),
         ({"family": "nope"}, "models.0.engine_args.family", "unknown model family 'nope'; known: diffusiongemma"),
+        ({"sampler": "exact", "compiled_trunk": True, "cuda_graphs": True}, "models.0.engine_args",
+         "cuda_graphs needs compiled_trunk: true, sampler: fast and a cuda device"),
+        ({"sampler": "fast", "cuda_graphs": True, "device": "cuda"}, "models.0.engine_args", "compiled_trunk=False"),
     ],
 )
 def test_a_bad_diffusion_engine_arg_names_file_and_field(tmp_path, engine_args, field, reason):

@@ -99,6 +99,15 @@ def test_the_compiled_trunk_is_batch_invariant_and_close_to_eager(adapter):
     assert torch.allclose(eager, compiled, atol=1e-3, rtol=1e-3), (eager - compiled).abs().max()
 
 
+def test_the_cuda_graphs_wiring_runs_on_the_host_and_changes_no_token(adapter):
+    """``cuda_graphs`` (a device's option: tests/gpu checks the replays) on the host, where
+    inductor skips the capture: its wiring (the reduce-overhead compile, the step marks, the copied
+    output, the KV pool marked static) serves, and a row's tokens are the compiled trunk's."""
+    graphs, _, widths = _run(adapter, {0: [0, 1]}, trunk=True, steps=4, max_tokens=40, cuda_graphs=True)
+    plain, _, _ = _run(adapter, {0: [0, 1]}, trunk=True, steps=4, max_tokens=40)
+    assert max(widths) == 2 and graphs == plain
+
+
 def test_an_engine_with_the_compiled_trunk_compiles_at_start_and_then_serves_without_compiling():
     """``engine_args.compiled_trunk`` through ``DiffusionEngine``: its start rehearses a block of
     one row and of two (``Runner.warm``), so chats of one page of context, alone and two at once,
