@@ -123,7 +123,8 @@ class Runner:
 
     def _rehearse(self, rows: int) -> None:
         """``rows`` one-token prompts through a scheduler of their own for one block of two
-        denoising steps; their rows freed after (their pages back to the pool)."""
+        denoising steps; their rows freed after (their pages back to the pool), and the prefix
+        cache's counters as they were (a rehearsal is no request)."""
         from diffusion_plugin.batcher.request import SamplingParams
         from diffusion_plugin.batcher.scheduler import Scheduler
 
@@ -135,6 +136,7 @@ class Runner:
                            params=SamplingParams(max_tokens=C, seed=i, eos_token_ids=(), **params))
             seqs[seq.seq_id] = seq
             sched.add(seq)
+        counters = self.passes.prefix_queries, self.passes.prefix_hits
         try:
             while sched.has_work():
                 batch, _ = sched.schedule()
@@ -143,6 +145,7 @@ class Runner:
         finally:
             for seq_id in seqs:
                 self.free(seq_id)
+            self.passes.prefix_queries, self.passes.prefix_hits = counters
 
     def held_bytes(self) -> int:
         """Bytes held by sequences between steps beyond their KV caches (for measurements)."""

@@ -131,6 +131,8 @@ def test_an_engine_with_the_compiled_trunk_compiles_at_start_and_then_serves_wit
                 return [x async for x in engine.chat({**body, "seed": seed}, rid)]
 
             at_start = counters["stats"]["unique_graphs"]
+            started = (await engine.stats()).extra
+            assert (started["prefix_cache_queries"], started["steps"]) == (0, 0)  # the rehearsal is no request
             alone = await chat(1, "a")
             two = await asyncio.gather(chat(2, "b"), chat(3, "c"))
             return at_start, counters["stats"]["unique_graphs"], alone, two
