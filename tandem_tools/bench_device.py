@@ -74,15 +74,17 @@ def _params(adapter, max_tokens: int, steps: int, seed: int):
                           **{**adapter.defaults(), "max_denoising_steps": steps})
 
 
-def run_tandem(adapter, sampler: str, prompts: list[list[int]], args, kv_budget: int, rowwise: bool = False) -> dict:
-    """All prompts submitted at once, ``max_batch`` = their count: tokens/s, s/step, memory."""
+def run_tandem(adapter, sampler: str, prompts: list[list[int]], args, kv_budget: int, rowwise: bool = False,
+               **compiled) -> dict:
+    """All prompts submitted at once, ``max_batch`` = their count: tokens/s, s/step, memory.
+    ``compiled``: the Runner's ``compiled_trunk`` and ``cuda_graphs``."""
     from diffusion_plugin.batcher.request import Sequence
     from diffusion_plugin.batcher.scheduler import Scheduler
     from diffusion_plugin.step.runner import Runner
 
     c = len(prompts)
     sched = Scheduler(max_batch=c, canvas_length=adapter.canvas_length)
-    runner = Runner(adapter, sampler=sampler, kv_budget_bytes=kv_budget, rowwise=rowwise)
+    runner = Runner(adapter, sampler=sampler, kv_budget_bytes=kv_budget, rowwise=rowwise, **compiled)
     seqs = {}
     for i, p in enumerate(prompts):
         seq = Sequence(seq_id=f"s{i}", prompt_ids=p, params=_params(adapter, args.max_tokens, args.steps, 100 + i))
@@ -139,8 +141,13 @@ def throughput(args, path: str) -> dict:
                "tandem fast": lambda ps: run_tandem(adapter, "fast", ps, args, kv_budget),
                # each row through the passes alone (Runner's rowwise): what batching gains
                "tandem fast rowwise": lambda ps: run_tandem(adapter, "fast", ps, args, kv_budget, True)}
-    for fn in targets.values():  # warm-up: CUDA context, cuBLAS handles, allocator
+    if args.graphs:  # the trunk compiled and replayed as CUDA graphs (engine_args.cuda_graphs)
+        targets["tandem fast graphs"] = lambda ps: run_tandem(adapter, "fast", ps, args, kv_budget,
+                                                              compiled_trunk=True, cuda_graphs=True)
+    for fn in targets.values():  # warm-up: CUDA context, cuBLAS handles, allocator (and compilation)
         fn(prompts[:1])
+    if args.graphs:  # the several-rows graphs too (captured at their second call)
+        targets["tandem fast graphs"](prompts[:2])
     runs: dict[str, dict[int, list[dict]]] = {n: {c: [] for c in args.levels} for n in targets}
     for r in range(args.rounds):
         for c in args.levels:
@@ -252,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-tokens", type=int, default=4000, help="prefix: the shared prompt (default: 4000)")
     p.add_argument("--prefix-requests", type=int, default=16, help="prefix: requests (default: 16)")
     p.add_argument("--prefix-max-tokens", type=int, default=32, help="prefix: max_tokens (default: 32)")
+    p.add_argument("--graphs", action="store_true", help="throughput: also tandem fast with the trunk compiled "
+                   "and replayed as CUDA graphs (engine_args.compiled_trunk + cuda_graphs; compiled in the warm-up)")
     p.add_argument("--out", default="", help="write the summary as JSON here")
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",")]

@@ -17,7 +17,10 @@ export PYTHONPATH=/tmp/site:$PWD
 timeout 120 python3 tests/gpu/probe_gemm.py cuda 2>&1 | tee "$OUT/probe_gemm.log"
 timeout "${GPU_TESTS_S:-300}" python3 -m pytest tests/gpu -q -rs -s -p no:cacheprovider \
   -W ignore::UserWarning -W ignore::FutureWarning 2>&1 | tee "$OUT/gpu_tests.log"
-timeout "${BENCH_S:-150}" python3 -m tandem_tools.bench_device --sections throughput --out "$OUT/throughput.json" \
+# (throughput with --graphs: tandem fast with the trunk compiled and replayed as CUDA graphs too.
+#  Worst case of all the timeouts ~13 min: with less device time left, PREFIX_S=0.)
+timeout "${BENCH_S:-210}" python3 -m tandem_tools.bench_device --sections throughput --graphs \
+  --out "$OUT/throughput.json" \
   2>&1 | grep -v "Loading weights" | tee "$OUT/throughput.log"
 if [ "${PREFIX_S:-150}" != 0 ]; then
   timeout "${PREFIX_S:-150}" python3 -m tandem_tools.bench_device --sections prefix --out "$OUT/prefix.json" \
