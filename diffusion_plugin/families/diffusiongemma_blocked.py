@@ -21,25 +21,28 @@ exponents are taken relative to the running max, and the GEMMs are blocked).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from diffusion_plugin.step.attention import MIN_EXPONENT, TINY_EXP
 
-logger = logging.getLogger(__name__)
 VOCAB_BLOCK = 8192  # ids per block: a (256, 8192) float32 block is 8 MiB (the fastest of 2k-16k measured)
 SUB = 128  # ids per sub-block of the draw (a multiple of it divides VOCAB_BLOCK)
 _FLOOR = torch.finfo(torch.float32).min  # the running max before the first block (finite: no inf - inf)
+
+
+def tanh_over(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """tanh(x / cap) as 1 - 2 / (exp(2x / cap) + 1): the compiled passes' softcap (the reason is in
+    ``diffusiongemma_vocab._vocab_math``'s docstring)."""
+    return 1 - 2 / (torch.exp(x * (2 / cap)) + 1)
 
 
 def _block(y: torch.Tensor, m: torch.Tensor, mass: torch.Tensor, zsum: torch.Tensor, inv_t: torch.Tensor, cap: float):
     """One block's raw logits ``y`` (C, B) against the running max ``m`` (C,), mass and sum of
     z x e (float64, relative to ``m``) -> its exponents e (C, B), relative to the new max; the new
     max; the old sums' rescale factor; the block's max and its argmax; the new mass and z x e sum;
-    and e's sub-block sums (C, ceil(B / SUB)). The softcap's tanh is taken as 1 - 2 / (exp(2u) + 1)
-    (``diffusiongemma_vocab._vocab_math``)."""
-    y = (1 - 2 / (torch.exp(y * (2 / cap)) + 1)) * (cap * inv_t)
+    and e's sub-block sums (C, ceil(B / SUB)). The softcap as the fused pass takes it
+    (``tanh_over``)."""
+    y = tanh_over(y, cap) * (cap * inv_t)
     top, argmax = y.max(dim=-1)
     new = torch.maximum(m, top)
     z = (y - new[:, None]).clamp(min=MIN_EXPONENT)
@@ -71,17 +74,17 @@ class Blocked:
         mass = torch.zeros(C, dtype=torch.float64, device=hidden.device)
         zsum = torch.zeros_like(mass)
         soft = torch.zeros(C, H, device=hidden.device)
-        best, argmax = torch.full_like(m, _FLOOR), torch.zeros(C, dtype=torch.long, device=hidden.device)
+        argmax = torch.zeros(C, dtype=torch.long, device=hidden.device)
         sums, maxes = [], []
         y = torch.empty(C, min(VOCAB_BLOCK, V), device=hidden.device)
         for start in range(0, V, VOCAB_BLOCK):
             rows = weight[start:start + VOCAB_BLOCK]
             block = y if rows.shape[0] == y.shape[1] else torch.empty(C, rows.shape[0], device=hidden.device)
             torch.matmul(hidden, rows.t(), out=block)
-            e, m, rescale, top, top_id, mass, zsum, sub = self.math(block, m, mass, zsum, inv_t, cap)
+            e, new, rescale, top, top_id, mass, zsum, sub = self.math(block, m, mass, zsum, inv_t, cap)
             soft.mul_(rescale[:, None]).addmm_(e, embed.weight[start:start + VOCAB_BLOCK])
-            argmax = torch.where(top > best, top_id + start, argmax)  # the first of equal maxima
-            best = torch.maximum(best, top)
+            argmax = torch.where(top > m, top_id + start, argmax)  # (m: the max so far) the first of equal maxima
+            m = new
             sums.append(sub)
             maxes.append(m)
         # Every sub-block's mass relative to the final max: the CDF the draw reads.
@@ -103,7 +106,7 @@ def _draw(hidden, weight, cdf, m, inv_t, cap: float, uniform):
     valid = ids < V
     rows = weight.index_select(0, ids.clamp(max=V - 1).flatten()).view(C, SUB, H)
     y = torch.bmm(rows, hidden[:, :, None])[:, :, 0]
-    y = (1 - 2 / (torch.exp(y * (2 / cap)) + 1)) * (cap * inv_t)
+    y = tanh_over(y, cap) * (cap * inv_t)
     e = torch.exp((y - m[:, None]).clamp(min=MIN_EXPONENT))
     e = torch.where(valid & (e > TINY_EXP), e, torch.zeros_like(e))
     inside = e.to(torch.float64).cumsum(-1) + before
