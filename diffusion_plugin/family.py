@@ -15,7 +15,8 @@ A family is an adapter object over a loaded checkpoint:
   into their caches) and ``decode_hidden(canvas, view, positions, soft)`` (the batched decoder
   over canvases -> hidden states), ``fast_experts(on)`` (a context: the batch-invariant MoE of
   fast mode, or the checkpoint's own);
-- **the vocabulary pass**: ``vocab_scratch(compiled)`` (fast mode's reusable buffers),
+- **the vocabulary pass**: ``vocab_scratch(compiled, batched)`` (fast mode's reusable buffers;
+  ``batched``: a device's form of the compiled passes),
   ``warm_vocab(scratch)``, ``vocab_fast(hidden, inv_t, uniform, scratch, ks, grammars, uniform2,
   filtered, pins)`` (a chunk of rows) and ``vocab_exact(hidden, p, steps_left, generator,
   produced, pins, grammar)`` (one row, bit-exact with the reference ``generate()``), each returning
@@ -58,7 +59,7 @@ class Family(Protocol):
 
     def fast_experts(self, on: bool) -> Any: ...
 
-    def vocab_scratch(self, compiled: bool = False) -> Any: ...
+    def vocab_scratch(self, compiled: bool = False, batched: bool = False) -> Any: ...
 
     def warm_vocab(self, scratch) -> None: ...
 

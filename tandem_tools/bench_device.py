@@ -77,7 +77,7 @@ def _params(adapter, max_tokens: int, steps: int, seed: int):
 def run_tandem(adapter, sampler: str, prompts: list[list[int]], args, kv_budget: int, rowwise: bool = False,
                **compiled) -> dict:
     """All prompts submitted at once, ``max_batch`` = their count: tokens/s, s/step, memory.
-    ``compiled``: the Runner's ``compiled_trunk`` and ``cuda_graphs``."""
+    ``compiled``: the Runner's ``compiled_trunk``, ``cuda_graphs``, ``compiled_vocab``, ``chunk_rows``."""
     from diffusion_plugin.batcher.request import Sequence
     from diffusion_plugin.batcher.scheduler import Scheduler
     from diffusion_plugin.step.runner import Runner
@@ -141,9 +141,10 @@ def throughput(args, path: str) -> dict:
                "tandem fast": lambda ps: run_tandem(adapter, "fast", ps, args, kv_budget),
                # each row through the passes alone (Runner's rowwise): what batching gains
                "tandem fast rowwise": lambda ps: run_tandem(adapter, "fast", ps, args, kv_budget, True)}
-    if args.graphs:  # the trunk compiled and replayed as CUDA graphs (engine_args.cuda_graphs)
-        targets["tandem fast graphs"] = lambda ps: run_tandem(adapter, "fast", ps, args, kv_budget,
-                                                              compiled_trunk=True, cuda_graphs=True)
+    if args.graphs:  # the device form: the trunk compiled and replayed as CUDA graphs (engine_args.cuda_graphs),
+        # each chunk's vocabulary pass, the draws and the acceptance compiled (compiled_vocab), chunks of 4 rows
+        targets["tandem fast graphs"] = lambda ps: run_tandem(adapter, "fast", ps, args, kv_budget, compiled_trunk=True,
+                                                              cuda_graphs=True, compiled_vocab=True, chunk_rows=4)
     for fn in targets.values():  # warm-up: CUDA context, cuBLAS handles, allocator (and compilation)
         fn(prompts[:1])
     if args.graphs:  # the several-rows graphs too (captured at their second call)
@@ -259,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-tokens", type=int, default=4000, help="prefix: the shared prompt (default: 4000)")
     p.add_argument("--prefix-requests", type=int, default=16, help="prefix: requests (default: 16)")
     p.add_argument("--prefix-max-tokens", type=int, default=32, help="prefix: max_tokens (default: 32)")
-    p.add_argument("--graphs", action="store_true", help="throughput: also tandem fast with the trunk compiled "
-                   "and replayed as CUDA graphs (engine_args.compiled_trunk + cuda_graphs; compiled in the warm-up)")
+    p.add_argument("--graphs", action="store_true", help="throughput: also tandem fast in its device form: the "
+                   "trunk compiled and replayed as CUDA graphs, the vocabulary pass (chunks of 4 rows), draws and "
+                   "acceptance compiled (engine_args.compiled_trunk + cuda_graphs + compiled_vocab; compiled in the "
+                   "warm-up)")
     p.add_argument("--out", default="", help="write the summary as JSON here")
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",")]

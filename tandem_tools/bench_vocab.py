@@ -62,7 +62,7 @@ def measure(model_name: str = "shape-diffusiongemma", rounds: int = 5, threads: 
 
     fused_scratch = vocab.Scratch(compiled=True) if compile_ else None
     if fused_scratch is not None:
-        fused_scratch.blocked = None  # the whole-logits kernel alone
+        fused_scratch.plain = None  # the whole-logits kernel alone
 
     def compiled():
         return vocab.fast_chunk(model, hidden, inv_t, uniform, compiled_scratch)[:4]

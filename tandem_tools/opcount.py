@@ -21,14 +21,18 @@ import sys
 from collections import Counter
 
 SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.is_nonzero")
+DEVICE_CHUNK_ROWS = 4  # the rows a device engine's vocabulary pass takes at once (``DiffusionEngine``)
 
 
-def count_step(adapter, rows: int, sampler: str = "fast", prompt_len: int = 16, compiled_trunk: bool = False) -> dict:
+def count_step(adapter, rows: int, sampler: str = "fast", prompt_len: int = 16, compiled_trunk: bool = False,
+               device_form: bool = False) -> dict:
     """One denoise-only step of ``rows`` rows: {"ops", "per_layer", "syncs", "top"} (and, with
-    ``compiled_trunk``, "trunk": the compiled trunk's launches in place of its eager ops)."""
+    ``compiled_trunk``, "trunk": the compiled trunk's launches in place of its eager ops; with
+    ``device_form``, "parts": so for each compiled part of the step)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+    from diffusion_plugin.step.compiled import compile_part, compile_trunk
     from tandem_tools.step_driver import Steps
 
     class Count(TorchDispatchMode):
@@ -40,47 +44,59 @@ def count_step(adapter, rows: int, sampler: str = "fast", prompt_len: int = 16, 
             self.ops[str(func.overloadpacket)] += 1
             return func(*args, **(kwargs or {}))
 
-    drive = Steps(adapter, rows, sampler, prompt_len=prompt_len)
+    drive = Steps(adapter, rows, sampler, prompt_len=prompt_len, compiled=device_form,
+                  compiled_trunk=compiled_trunk or device_form, chunk_rows=DEVICE_CHUNK_ROWS if device_form else 1,
+                  batched_vocab=device_form or None)
     batch = drive.full()
     counter = Count()
-    trunk: dict = {}
-    if compiled_trunk:
-        eager = drive.runner.passes._decode
+    parts: dict = {}
 
-        def counted(*args):  # the eager trunk's ops taken out, the compiled one's launches put in
-            before = sum(counter.ops.values())
-            out = eager(*args)
-            trunk["eager_ops"] = sum(counter.ops.values()) - before
-            with _disable_current_modes():
-                trunk["launches"] = compiled_launches(adapter.decode_hidden, args)
+    def counted(name: str, eager, compile_):
+        """``eager`` run under the count, its ops taken out and its compiled form's launches put in."""
+        def call(*args):
+            inner = Count()
+            with _disable_current_modes(), inner:  # (not in the step's count)
+                out = eager(*args)
+            launches = compiled_launches(compile_(eager), args)
+            parts.setdefault(name, []).append({"eager_ops": sum(inner.ops.values()), **launches})
             return out
-        drive.runner.passes._decode = counted
+        return call
+
+    passes = drive.runner.passes
+    if compiled_trunk or device_form:
+        passes._decode = counted("trunk", adapter.decode_hidden, compile_trunk)
+    if device_form:
+        passes._draws = counted("draws", passes._draws.eager, compile_part)
+        passes.accept = counted("accept", passes.accept.eager, compile_part)
+        passes.scratch.plain.fn = counted("vocab", passes.scratch.plain.fn.eager, compile_part)
     with torch.inference_mode(), counter:
         drive.runner.execute(batch, drive.seqs)
-    total = sum(counter.ops.values())
-    if compiled_trunk:
-        total += trunk["launches"]["kernels"] + trunk["launches"]["extern"] - trunk["eager_ops"]
+    total = sum(counter.ops.values()) + sum(c["kernels"] + c["extern"] for calls in parts.values() for c in calls)
     layers = len(adapter.layer_types)
+    trunk = ({"eager_ops": parts["trunk"][0]["eager_ops"], "launches": {k: parts["trunk"][0][k] for k in
+             ("kernels", "extern")}} if "trunk" in parts else None)
     return {"rows": rows, "ops": total, "per_layer": round(total / layers, 1), "layers": layers,
-            "syncs": {k: counter.ops[k] for k in SYNCS if counter.ops[k]}, "top": counter.ops.most_common(8),
-            **({"trunk": trunk} if compiled_trunk else {})}
+            "syncs": {k: counter.ops[k] for k in SYNCS if counter.ops[k]}, "top": counter.ops.most_common(12),
+            **({"trunk": trunk} if trunk else {}), **({"parts": parts} if device_form else {})}
 
 
-def compiled_launches(forward, args) -> dict:
-    """The launches of one call of ``forward`` compiled as the trunk is (``compiled.compile_trunk``),
-    read from the code inductor generates for it (a fresh compilation: Dynamo's caches are reset)."""
+def compiled_launches(compiled, args) -> dict:
+    """The launches of one call of ``compiled`` (a function compiled as the step's parts are:
+    ``compiled.compile_trunk``, ``compile_part``), read from the code inductor generates for it (a
+    fresh compilation: Dynamo's caches are reset), outside any dispatch mode."""
     import re
 
     import torch._dynamo
     from torch._inductor.utils import run_and_get_code
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    from diffusion_plugin.step.compiled import compile_trunk
-
-    torch._dynamo.reset()
-    _, codes = run_and_get_code(compile_trunk(forward), *args)
+    with _disable_current_modes():
+        torch._dynamo.reset()
+        _, codes = run_and_get_code(compiled, *args)
     call = codes[-1][codes[-1].index("def call("):]
     return {"kernels": len(re.findall(r"^\s+cpp_fused_\w+\(|^\s+triton_\w+\.run\(", call, re.M)),
-            "extern": len(re.findall(r"extern_kernels\.\w+\(|torch\.ops\.\w+\.\w+\.default\(", call))}
+            "extern": len(re.findall(r"extern_kernels\.\w+\(|torch\.ops\.\w+\.\w+\.default\(|aten\.\w+\.\w+\(",
+                                     call))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON line per row count")
     p.add_argument("--compiled-trunk", action="store_true", help="the trunk compiled (engine_args.compiled_trunk): "
                    "its launches counted from inductor's code")
+    p.add_argument("--device-form", action="store_true", help="the step as a device engine runs it with "
+                   "compiled_vocab and compiled_trunk: the trunk, each chunk's vocabulary pass (chunks of "
+                   f"{DEVICE_CHUNK_ROWS} rows), the draws and the acceptance compiled, each one's launches counted "
+                   "from inductor's code")
     args = p.parse_args(argv)
     import torch
 
@@ -101,14 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     path = args.model if "/" in args.model else str(tiny_models.build(args.model))
     adapter = DiffusionGemmaAdapter(path)
     for rows in (int(x) for x in args.rows.split(",")):
-        result = count_step(adapter, rows, args.sampler, compiled_trunk=args.compiled_trunk)
+        result = count_step(adapter, rows, args.sampler, compiled_trunk=args.compiled_trunk,
+                            device_form=args.device_form)
         if args.json:
             print(json.dumps(result))
         else:
             print(f"{args.model}, {args.sampler}, {rows} row(s): {result['ops']:,} aten ops per denoise step, "
                   f"{result['per_layer']:,} per layer ({result['layers']} layers); host syncs {result['syncs']}; "
                   f"most frequent {result['top']}"
-                  + (f"; compiled trunk {result['trunk']}" if args.compiled_trunk else ""))
+                  + (f"; compiled trunk {result['trunk']}" if args.compiled_trunk else "")
+                  + (f"; compiled parts {result['parts']}" if args.device_form else ""))
     return 0
 
 

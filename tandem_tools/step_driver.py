@@ -10,15 +10,16 @@ class Steps:
     executes a step and applies it."""
 
     def __init__(self, adapter, rows: int, sampler: str = "fast", compiled: bool = False, prompt_len: int = 16,
-                 grow: int = 0, max_tokens: int | None = None, compiled_trunk: bool = False):
+                 grow: int = 0, max_tokens: int | None = None, compiled_trunk: bool = False, chunk_rows: int = 1,
+                 batched_vocab: bool | None = None):
         from diffusion_plugin.batcher.request import SamplingParams, Sequence
         from diffusion_plugin.batcher.scheduler import Scheduler
         from diffusion_plugin.step.runner import Runner
 
         self.rows = rows
         self.sched = Scheduler(max_batch=rows, canvas_length=adapter.canvas_length)
-        self.runner = Runner(adapter, sampler, kv_budget_bytes=1 << 30, compiled_vocab=compiled,
-                             compiled_trunk=compiled_trunk)
+        self.runner = Runner(adapter, sampler, chunk_rows=chunk_rows, kv_budget_bytes=1 << 30,
+                             compiled_vocab=compiled, compiled_trunk=compiled_trunk, batched_vocab=batched_vocab)
         self.runner.warm()
         params = {**adapter.defaults(), "max_denoising_steps": 64}
         self.seqs = {}

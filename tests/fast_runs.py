@@ -13,13 +13,14 @@ LONG_ARRIVALS = {0: [6, 0], 5: [7], 12: [2]}
 
 
 def run(adapter, arrivals, sampler="fast", max_batch=4, steps=16, row_boundaries=False, max_tokens=70,
-        on_step=None, rowwise=False, compiled=False, trunk=False, cuda_graphs=False):
+        on_step=None, rowwise=False, compiled=False, trunk=False, cuda_graphs=False, batched=None):
     """Each prompt of ``arrivals`` (step -> prompt indices) joins at its step; returns the output
     ids by sequence, the attention kernel calls and the rows of each denoise step."""
     params = {**adapter.defaults(), "max_denoising_steps": steps}
     sched = Scheduler(max_batch=max_batch, canvas_length=adapter.canvas_length, row_boundaries=row_boundaries)
     runner = Runner(adapter, sampler, kv_budget_bytes=64 << 20, rowwise=rowwise, compiled_vocab=compiled,
-                    chunk_rows=3 if compiled else 1, compiled_trunk=trunk, cuda_graphs=cuda_graphs)  # (compiled: chunks of 3 rows and of 1)
+                    chunk_rows=3 if compiled else 1, compiled_trunk=trunk, cuda_graphs=cuda_graphs,
+                    batched_vocab=batched)  # (compiled: chunks of 3 rows and of 1)
     seqs, calls, widths, step = {}, [], [], 0
     while step <= max(arrivals) or sched.has_work():
         for i in arrivals.get(step, []):

@@ -69,7 +69,7 @@ class ToyAdapter:
     def fast_experts(self, on: bool):
         return contextlib.nullcontext()
 
-    def vocab_scratch(self, compiled: bool = False):
+    def vocab_scratch(self, compiled: bool = False, batched: bool = False):
         return None
 
     def warm_vocab(self, scratch) -> None:

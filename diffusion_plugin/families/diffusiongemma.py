@@ -243,9 +243,10 @@ class DiffusionGemmaAdapter:
         """A context in which the MoE layers run fast mode's grouped experts (``on``) or HF's."""
         return moe.fast_experts(on)
 
-    def vocab_scratch(self, compiled: bool = False):
-        """Fast mode's reusable vocabulary buffers (``compiled``: its fused elementwise pass)."""
-        return vocab.Scratch(compiled)
+    def vocab_scratch(self, compiled: bool = False, batched: bool = False):
+        """Fast mode's reusable vocabulary buffers (``compiled``: its compiled passes, in a
+        device's form if ``batched``: ``diffusiongemma_vocab.Scratch``)."""
+        return vocab.Scratch(compiled, batched)
 
     def warm_vocab(self, scratch) -> None:
         scratch.warm(self.model, self.canvas_length, self.device)

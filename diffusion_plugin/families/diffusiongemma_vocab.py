@@ -16,7 +16,8 @@ does not grow with the batch.
   inverse CDF with one uniform per position (C draws, not C x V), from a counter-based hash
   of (seed, step, position) so rows need no generator and a row's draws never depend on its
   batch mates. With ``compiled_vocab`` (``Scratch(compiled=True)``) a row that needs nothing
-  but its draws takes the same math blocked over the vocabulary (``diffusiongemma_blocked``).
+  but its draws takes the same math blocked over the vocabulary (``diffusiongemma_blocked``), or on
+  a device (``batched``) as one compiled graph per chunk (``diffusiongemma_batched``).
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ import torch
 
 from diffusion_plugin.batcher.batch import Pins
 from diffusion_plugin.batcher.request import SamplingParams, Score
+from diffusion_plugin.families.diffusiongemma_batched import Batched, inverse_cdf
 from diffusion_plugin.families.diffusiongemma_blocked import Blocked, tanh_over
 from diffusion_plugin.step import filters
 from diffusion_plugin.step.attention import MIN_EXPONENT, TINY_EXP
 
 logger = logging.getLogger(__name__)
-CDF_BLOCK = 512  # the inverse CDF finds a block of this many ids first, then the id inside it
 
 
 def temperature(p: SamplingParams, steps_left: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -186,33 +187,43 @@ class Scratch:
 
     ``compiled`` (the host's default): a row with no filter, grammar, top logprobs or pinned
     scores takes the pass blocked over the vocabulary (``diffusiongemma_blocked``: nothing
-    vocabulary-sized written); a chunk with top logprobs or pinned scores but no filter and no
-    grammar, the elementwise math as one inductor kernel per row (``_vocab_math``)."""
+    vocabulary-sized written), or with ``batched`` (a device's form) its chunk's pass as one
+    compiled graph (``diffusiongemma_batched``); a chunk with top logprobs or pinned scores but no
+    filter and no grammar, the elementwise math as one inductor kernel per row (``_vocab_math``)."""
 
-    def __init__(self, compiled: bool = False):
+    def __init__(self, compiled: bool = False, batched: bool = False):
         self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.fused = _compiled_math() if compiled else None
-        self.blocked = Blocked() if compiled else None
+        self.plain = (Batched() if batched else Blocked()) if compiled else None
 
     def warm(self, model, canvas: int, device) -> None:
         """Compiles the compiled passes now (at engine start), not in the first request's step."""
-        if self.blocked is not None:
+        if isinstance(self.plain, Batched):
+            self.plain.warm(model, canvas, device)
+        elif self.plain is not None:
             H = model.lm_head.weight.shape[1]
-            self.run_blocked(model, torch.zeros(1, canvas, H, device=device), torch.ones(1, device=device),
-                             torch.full((1, canvas), 0.5, dtype=torch.float64, device=device))
+            self.run_plain(model, torch.zeros(1, canvas, H, device=device), torch.ones(1, device=device),
+                           torch.full((1, canvas), 0.5, dtype=torch.float64, device=device))
         if self.fused is not None:
             x, e = self.get((1, canvas, model.lm_head.weight.shape[0]), device)
             x.zero_()
             self.run_fused(x, e, torch.ones(1, device=device), float(model.final_logit_softcapping))
 
-    def run_blocked(self, model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.Tensor):
-        """The blocked pass, one row at a time: (sampled, argmax, entropy, soft) of ``hidden``'s
-        rows; None if it failed, and from then on the other passes serve."""
+    def run_plain(self, model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.Tensor):
+        """The plain rows' pass (batched: the chunk in one graph; blocked: one row at a time, and
+        float32 only): (sampled, argmax, entropy, soft) of ``hidden``'s rows; None if there is none
+        for them or it failed, and from then on the other passes serve."""
+        if self.plain is None or (isinstance(self.plain, Blocked) and not hidden.dtype == torch.float32
+                                  == model.lm_head.weight.dtype):
+            return None
         try:
-            parts = [self.blocked.row(model, hidden[b], inv_t[b:b + 1], uniform[b]) for b in range(hidden.shape[0])]
-        except Exception:  # noqa: BLE001 - the one place a failure of the blocked pass is handled
-            logger.exception("the blocked vocabulary pass failed; the other passes serve from now on")
-            self.blocked = None
+            if isinstance(self.plain, Batched):
+                return self.plain.run(model, hidden, inv_t, uniform)
+            parts = [self.plain.row(model, hidden[b], inv_t[b:b + 1], uniform[b]) for b in range(hidden.shape[0])]
+        except Exception:  # noqa: BLE001 - the one place a failure of the plain pass is handled
+            logger.exception("the %s vocabulary pass failed; the other passes serve from now on",
+                             type(self.plain).__name__.lower())
+            self.plain = None
             return None
         return tuple(torch.stack(xs) for xs in zip(*parts, strict=True))
 
@@ -249,12 +260,10 @@ def fast_chunk(model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.
     cap = model.final_logit_softcapping
     weight = model.lm_head.weight
     R, C, _ = hidden.shape
-    plain = not any(f is not None for f in filtered or []) and not any(g is not None for g in grammars or [])
-    if (scratch.blocked is not None and plain and weight.dtype == hidden.dtype == torch.float32
-            and not any(k is not None for k in ks or []) and not any(q is not None for q in pins or [])):
-        blocked = scratch.run_blocked(model, hidden, inv_t, uniform)
-        if blocked is not None:
-            return (*blocked, [None] * R, [None] * R)
+    if not any(x is not None for x in (*(filtered or []), *(grammars or []), *(ks or []), *(pins or []))):
+        plain = scratch.run_plain(model, hidden, inv_t, uniform)
+        if plain is not None:
+            return (*plain, [None] * R, [None] * R)
     x, e = scratch.get((R, C, weight.shape[0]), hidden.device)
     _head(hidden, weight, x)
     filtered = [(b, f) for b, f in enumerate(filtered or []) if f is not None]
@@ -302,7 +311,7 @@ def _finish(model, x, e, total, argmax, entropy, uniform, weight, hidden, ks, pi
     embed = model.model.decoder.embed_tokens
     soft = torch.matmul(e.to(weight.dtype), embed.weight) / total[..., None].to(weight.dtype)
     soft = soft * embed.embed_scale.to(hidden.dtype)
-    sampled = _inverse_cdf(e, uniform)
+    sampled = inverse_cdf(e, uniform)
     tops = [None if k is None else top_logprobs(x[b], k, torch.log(total[b])) for b, k in enumerate(ks or [None] * R)]
     for b, _ in filtered:  # a refused token is no candidate (-inf: left out)
         if tops[b] is not None:
@@ -354,7 +363,7 @@ def _fast_draft(grammar, x: torch.Tensor, e: torch.Tensor, uniform: torch.Tensor
 
     top, argmax = x.max(dim=-1)
     torch.sub(x, top[:, None], out=e).clamp_(min=MIN_EXPONENT).exp_()
-    sampled = _inverse_cdf(e[None], uniform[None])[0]
+    sampled = inverse_cdf(e[None], uniform[None])[0]
     u2 = uniform2.tolist()
 
     def sample_in(j: int, ids) -> int:
@@ -365,20 +374,3 @@ def _fast_draft(grammar, x: torch.Tensor, e: torch.Tensor, uniform: torch.Tensor
         return int(idx[min(k, len(ids) - 1)])
 
     return grammar.draft(argmax.tolist(), sampled.tolist(), lambda j, ids: masked_argmax(x[j], ids), sample_in)
-
-
-def _inverse_cdf(e: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """The id whose cumulative (unnormalised) mass first exceeds u * total, per position: block
-    sums, their cumsum, then a cumsum inside the one chosen block (C x 512, not C x V)."""
-    R, C, V = e.shape
-    nb = -(-V // CDF_BLOCK)
-    if nb * CDF_BLOCK != V:
-        e = torch.nn.functional.pad(e, (0, nb * CDF_BLOCK - V))
-    blocks = e.view(R, C, nb, CDF_BLOCK)
-    cdf = blocks.sum(-1).to(torch.float64).cumsum(-1)  # (R, C, nb); float64 only over nb values
-    target = uniform.to(torch.float64) * cdf[..., -1]
-    bi = torch.searchsorted(cdf, target[..., None], right=True).clamp_(max=nb - 1)  # (R, C, 1)
-    before = torch.where(bi > 0, cdf.gather(-1, (bi - 1).clamp(min=0)), torch.zeros_like(target[..., None]))
-    inside = blocks.gather(2, bi[..., None].expand(R, C, 1, CDF_BLOCK))[:, :, 0].to(torch.float64).cumsum(-1) + before
-    j = torch.searchsorted(inside, target[..., None], right=True).clamp_(max=CDF_BLOCK - 1)
-    return (bi * CDF_BLOCK + j)[..., 0].clamp_(max=V - 1)

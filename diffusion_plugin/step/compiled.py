@@ -49,6 +49,27 @@ def compile_trunk(forward, cuda_graphs: bool = False):
     return trunk
 
 
+def compile_part(fn):
+    """Another part of the fast step (the batched vocabulary pass, the draws, the acceptance) as
+    compiled graphs, rows dynamic as the trunk's: a lone row has its graph, rows 2.. share one.
+    Reductions are not split across kernels (``split_reductions``: a split's count follows the
+    rows, and with it a row's summation order), and where inductor has it, its batch-invariant mode
+    (each kernel's configuration fixed whatever the batch). The calls run under the trunk's
+    recompile limit, failing loudly past it."""
+    import torch
+    import torch._inductor.config as inductor
+
+    options = {"split_reductions": False, **({"batch_invariant": True} if hasattr(inductor, "batch_invariant") else {})}
+    compiled = torch.compile(fn, dynamic=True, options=options)
+
+    def part(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            return compiled(*args, **kwargs)
+
+    part.eager = fn  # (what ``tandem_tools.opcount`` counts the compiled launches of)
+    return part
+
+
 def mark_static(pool) -> None:
     """The KV pool's tensors (allocated once, read in place by the trunk) as static inputs of the
     CUDA graphs: a replay reads them where they are instead of copying them in."""

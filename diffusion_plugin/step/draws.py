@@ -29,3 +29,10 @@ def hash_draws(seeds: torch.Tensor, counters: torch.Tensor, length: int, stream:
 
 def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor, length: int, stream: int) -> torch.Tensor:
     return (hash_draws(seeds, counters, length, stream).to(torch.float64) + 0.5) / 2**31
+
+
+def step_draws(seeds: torch.Tensor, counters: torch.Tensor, length: int,
+               vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fast step's draws for its rows: one uniform per position (SAMPLE, the vocabulary pass's
+    inverse CDF) and the renoise ids (RENOISE, positions not accepted)."""
+    return hash_uniform(seeds, counters, length, SAMPLE), hash_draws(seeds, counters, length, RENOISE) % vocab

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from diffusion_plugin.family import Family
+from diffusion_plugin.step.accept import accept as _accept
 from diffusion_plugin.step.rows import Row
 
 
@@ -22,6 +23,7 @@ class ExactPasses:
     pool = None  # no page pool: HF's caches
     prefix_cache = False  # a prompt is encoded in one pass, as generate(): nothing to reuse
     prefix_queries = prefix_hits = 0
+    accept = staticmethod(_accept)  # eager: HF's bits
 
     def __init__(self, adapter: Family):
         self.adapter = adapter

@@ -22,9 +22,10 @@ from diffusion_plugin.batcher import memory
 from diffusion_plugin.batcher.memory import PAGE_TOKENS
 from diffusion_plugin.family import Family
 from diffusion_plugin.step import gemm
+from diffusion_plugin.step.accept import accept
 from diffusion_plugin.step.attention import FAST
-from diffusion_plugin.step.compiled import compile_trunk, mark_static
-from diffusion_plugin.step.draws import GRAMMAR, INIT, RENOISE, SAMPLE, hash_draws, hash_uniform
+from diffusion_plugin.step.compiled import compile_part, compile_trunk, mark_static
+from diffusion_plugin.step.draws import GRAMMAR, INIT, hash_draws, hash_uniform, step_draws
 from diffusion_plugin.step.kv_view import FastViews, KVPool, free_bytes, release
 from diffusion_plugin.step.prefix_cache import chunks, page_keys
 from diffusion_plugin.step.rows import Row, by_length
@@ -35,7 +36,8 @@ class FastPasses:
 
     def __init__(self, adapter: Family, chunk_rows: int = 1, kv_budget_bytes: int | None = None,
                  kv_groups: tuple[memory.KVGroup, ...] = (), prefix_cache: bool = False, rowwise: bool = False,
-                 compiled_vocab: bool = False, compiled_trunk: bool = False, cuda_graphs: bool = False):
+                 compiled_vocab: bool = False, compiled_trunk: bool = False, cuda_graphs: bool = False,
+                 batched_vocab: bool | None = None):
         """The KV pool, one ``torch.empty`` per layer: ``kv_groups`` (``memory.plan_pool``, the
         plan the scheduler admits against: a device) gives its pages per layer group. Otherwise
         ``kv_budget_bytes``, the memory budget, sizes it (default: the budget the engine derives by
@@ -43,7 +45,10 @@ class FastPasses:
         written take memory, and whatever the budget admits fits), or an equal count per layer
         within the budget on a device without a plan (tests). ``rowwise``: each row alone through
         the passes (slower; for measurements). ``compiled_trunk``: the decoder forward compiled
-        (``compiled``), with ``cuda_graphs`` captured and replayed as CUDA graphs."""
+        (``compiled``), with ``cuda_graphs`` captured and replayed as CUDA graphs.
+        ``compiled_vocab``: the family's compiled vocabulary passes, in their device form where
+        ``batched_vocab`` (None: on a cuda device) — a chunk's plain pass as one graph — and with
+        it the step's draws and acceptance compiled too (a few launches each, not ~100 ops)."""
         self.adapter = adapter
         self.chunk_rows = max(1, int(chunk_rows))
         self.kv_budget_bytes = kv_budget_bytes
@@ -58,7 +63,11 @@ class FastPasses:
                         else adapter.decode_hidden)
         self.rowwise = bool(rowwise)
         self.row_views: dict[str, FastViews] = {}
-        self.scratch = adapter.vocab_scratch(compiled_vocab)  # reusable vocabulary buffers
+        batched = adapter.device.type != "cpu" if batched_vocab is None else bool(batched_vocab)
+        self.scratch = adapter.vocab_scratch(compiled_vocab, batched)  # reusable vocabulary buffers
+        device_form = compiled_vocab and batched
+        self._draws = compile_part(step_draws) if device_form else step_draws
+        self.accept = compile_part(accept) if device_form else accept
 
     # -- the KV pool and the prefix cache -----------------------------------------------------
     def new_cache(self):
@@ -169,8 +178,7 @@ class FastPasses:
         V, C = self.adapter.vocab_size, self.adapter.canvas_length
         inv_t = torch.tensor([1.0 / temperature(r.bp, s) for r, s in zip(rows, steps_left, strict=True)],
                              dtype=torch.float32, device=hidden.device)
-        uniform = hash_uniform(seeds, counters, C, SAMPLE)
-        renoise = hash_draws(seeds, counters, C, RENOISE) % V
+        uniform, renoise = self._draws(seeds, counters, C, V)
         k = self.chunk_rows
         ks = [r.bp.logprobs for r in rows]
         grammars = [r.constrained for r in rows]
@@ -183,7 +191,8 @@ class FastPasses:
                                          None if uniform2 is None else uniform2[i:i + k], filtered[i:i + k],
                                          pins[i:i + k])
                  for i in range(0, len(rows), k)]
-        sampled, argmax, entropy, soft = (torch.cat(xs) for xs in zip(*(x[:4] for x in parts), strict=True))
+        sampled, argmax, entropy, soft = (torch.cat(xs) if len(xs) > 1 else xs[0]
+                                          for xs in zip(*(x[:4] for x in parts), strict=True))
         return (sampled, argmax, entropy, renoise, soft, [t for x in parts for t in x[4]],
                 [t for x in parts for t in x[5]])
 
@@ -192,8 +201,17 @@ class FastPasses:
         return hash_draws(seeds, counters, self.adapter.canvas_length, INIT) % self.adapter.vocab_size
 
     def warm(self) -> None:
-        """Compiles what the family compiles (``compiled_vocab``) now, not in a request's step."""
+        """Compiles what the family compiles (``compiled_vocab``) now, not in a request's step, and
+        in the device form the draws' and the acceptance's graphs (a lone row's, several rows')."""
         self.adapter.warm_vocab(self.scratch)
+        if self.accept is accept:
+            return
+        C, device = self.adapter.canvas_length, self.adapter.device
+        for rows in (1, 2):
+            seeds = torch.zeros(rows, dtype=torch.int64, device=device)
+            self._draws(seeds, seeds, C, self.adapter.vocab_size)
+            ids, entropy = torch.zeros(rows, C, dtype=torch.long, device=device), torch.zeros(rows, C, device=device)
+            self.accept(entropy, entropy[:, :1], entropy[:, 0], ids, ids, ids, ids)
 
 
 def counters_of(rows: list[Row], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,8 +7,8 @@ Per step:
 1. the encoder passes (prefills and commits, each row with its own mask into its cache);
 2. the decoder trunk over every row being denoised -> hidden states;
 3. the vocab-wide head and sampler -> each row's draws, argmax canvas, entropy, soft embedding;
-4. entropy-bound acceptance for all rows at once (here), and ONE host transfer of every row's
-   decisions (argmax canvas, confidence).
+4. entropy-bound acceptance for all rows at once (``accept``, the passes' form of it), and ONE host
+   transfer of every row's decisions (argmax canvas, confidence).
 Steps 1-3 are the sampler's own passes, each in its module: ``exact_passes`` (``generate()`` run
 alone, bit for bit: row by row with HF's shapes and experts) and ``fast_passes`` (batched,
 batch-invariant, fused: one forward for all rows, the KV page pool, the prefix cache). The
@@ -38,7 +38,7 @@ class Runner:
     def __init__(self, adapter: Family, sampler: str = "exact", chunk_rows: int = 1, kv_budget_bytes: int | None = None,
                  kv_groups: tuple[memory.KVGroup, ...] = (), prefix_cache: bool = False,
                  rowwise: bool = False, compiled_vocab: bool = False, compiled_trunk: bool = False,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, batched_vocab: bool | None = None):
         """``sampler``'s passes (``exact_passes``, ``fast_passes``: the others' arguments are
         fast mode's, see ``FastPasses``; exact mode ignores them)."""
         if sampler not in SAMPLERS:
@@ -47,7 +47,7 @@ class Runner:
         self.sampler = sampler
         self.passes: ExactPasses | FastPasses = (
             FastPasses(adapter, chunk_rows, kv_budget_bytes, kv_groups, prefix_cache, rowwise, compiled_vocab,
-                       compiled_trunk, cuda_graphs)
+                       compiled_trunk, cuda_graphs, batched_vocab)
             if sampler == "fast" else ExactPasses(adapter))
         self.rows: dict[str, Row] = {}
         self.cached: dict[str, int] = {}  # this step's admitted sequences: prompt tokens found cached
@@ -198,9 +198,9 @@ class Runner:
     def _trunk(self, rows: list[Row], width: int) -> torch.Tensor:
         """The decoder over the rows' canvases, their first ``width`` positions (label reads: a
         narrow canvas of their own; every other row: the whole canvas)."""
-        canvas = torch.cat([r.canvas[:, :width] for r in rows])
-        positions = torch.stack([torch.arange(r.cur_len, r.cur_len + width, dtype=torch.int32, device=canvas.device)
-                                 for r in rows])  # on the canvas's device, as HF
+        canvas = torch.cat([r.canvas if r.canvas.shape[1] == width else r.canvas[:, :width] for r in rows])
+        starts = torch.tensor([r.cur_len for r in rows], dtype=torch.int32, device=canvas.device)
+        positions = starts[:, None] + torch.arange(width, dtype=torch.int32, device=canvas.device)  # as HF's, there
         return self.passes.trunk(rows, canvas, positions, self._soft(rows), width)
 
     def _soft(self, rows: list[Row]) -> torch.Tensor | None:
@@ -230,20 +230,15 @@ class Runner:
         canvas = torch.cat([r.canvas for r in rows])
         bounds = torch.tensor([r.bp.entropy_bound for r in rows], dtype=entropy.dtype,
                               device=entropy.device).unsqueeze(-1)
-        # Entropy-bound acceptance (HF's expressions), all rows at once: sorts and cumsums are per row.
-        sorted_entropy, sorted_idx = torch.sort(entropy, dim=-1, descending=False)
-        selection = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= bounds
-        accepted = torch.scatter(input=torch.zeros_like(selection), dim=-1, index=sorted_idx, src=selection)
-        new_canvas = torch.where(~accepted, renoise, torch.where(accepted, sampled, canvas))
-        # Compared as HF does: a float32 mean against the threshold as a float32 scalar.
         thresholds = torch.tensor([r.bp.confidence_threshold for r in rows], dtype=entropy.dtype,
                                   device=entropy.device)
-        confident = entropy.mean(-1) < thresholds
-        decisions = torch.cat([argmax, confident[:, None].to(argmax.dtype)], dim=1).tolist()  # one host transfer
+        new_canvas, decisions = self.passes.accept(entropy, bounds, thresholds, sampled, renoise, canvas, argmax)
+        decisions = decisions.tolist()  # one host transfer
         outputs = []
-        for b, row in enumerate(rows):
+        for b, (row, row_canvas, row_argmax, row_soft) in enumerate(zip(rows, new_canvas.split(1), argmax.split(1),
+                                                                        soft.split(1), strict=True)):
             p = row.bp
-            row.canvas, row.argmax, row.soft = new_canvas[b:b + 1], argmax[b:b + 1], soft[b:b + 1]
+            row.canvas, row.argmax, row.soft = row_canvas, row_argmax, row_soft
             tokens, confident_b = decisions[b][:-1], bool(decisions[b][-1])
             stable = row.stable(tokens, p.stability_threshold)
             done = (stable and confident_b) or steps_left[b] <= 1

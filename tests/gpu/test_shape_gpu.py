@@ -7,7 +7,8 @@
   fast mode's KV page pool, reserved once);
 - the fast mode's grouped experts (torch._grouped_mm) are batch-invariant on the device too;
 - the compiled trunk under CUDA graphs (``engine_args.cuda_graphs``) replays the compiled step bit
-  for bit, and launches at most 60 kernels a layer (issue 36).
+  for bit, and launches at most 60 kernels a layer; the step's device form (``compiled_vocab`` too)
+  is batch-invariant and launches at most 60 a layer for the whole step (issue 36).
 Run on a lent device: ``python -m pytest tests/gpu -q -rs -s`` (prints the memory figures).
 """
 
@@ -108,6 +109,31 @@ def test_a_cuda_graph_replay_equals_the_compiled_step_on_gpu(adapter, prompts):
     assert graphs == plain, "a CUDA graph replay differs from the compiled step it captured"
     alone, _, _ = _run(adapter, "fast", prompts, {0: [3]}, {}, compiled_trunk=True, cuda_graphs=True)
     assert alone[3] == graphs[3], "under CUDA graphs a row's tokens depend on its batch mates"
+
+
+def test_the_device_form_is_batch_invariant_on_gpu(adapter, prompts):
+    """The step's device form (``compiled_vocab`` on a cuda device: each chunk's vocabulary pass,
+    the draws and the acceptance compiled; the trunk compiled under CUDA graphs; chunks of 4 rows):
+    a row's tokens alone equal its tokens among mates joining mid-block."""
+    form = {"compiled_trunk": True, "cuda_graphs": True, "compiled_vocab": True, "chunk_rows": 4}
+    together, widest, _ = _run(adapter, "fast", prompts, ARRIVALS, {}, **form)
+    assert widest >= 3
+    for i in (0, 3):
+        alone, _, _ = _run(adapter, "fast", prompts, {0: [i]}, {}, **form)
+        assert alone[i] == together[i], f"prompt {i}: in the device form its tokens depend on its batch mates"
+        assert len(alone[i]) == MAX_TOKENS
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_device_form_launches_at_most_60_a_layer_on_gpu(adapter, rows):
+    """Issue 36's count for a whole step on the device, in its device form: the compiled parts'
+    launches (read from inductor's code) and every other aten op, per layer, at 1 and 4 rows."""
+    from tandem_tools.opcount import count_step
+
+    result = count_step(adapter, rows, "fast", device_form=True)
+    print(f"\nwhole step, device form, on {DEVICE}, {rows} row(s): {result['ops']} ({result['per_layer']} a layer); "
+          f"parts {result['parts']}")
+    assert result["per_layer"] <= 60 and not result["syncs"], result
 
 
 @pytest.mark.parametrize("rows", [1, 4])

@@ -108,6 +108,39 @@ def test_the_cuda_graphs_wiring_runs_on_the_host_and_changes_no_token(adapter):
     assert max(widths) == 2 and graphs == plain
 
 
+def test_the_device_form_is_batch_invariant_on_the_host(adapter):
+    """The step's device form (``compiled_vocab`` with ``batched_vocab``: a chunk's vocabulary
+    pass, the draws and the acceptance each one compiled graph; the trunk compiled): a row's
+    tokens alone equal its tokens among mates joining mid-block, in chunks of 3 rows and of 1."""
+    together, _, widths = _run(adapter, ARRIVALS, compiled=True, batched=True, trunk=True, steps=8)
+    assert max(widths) == 3
+    for i in (0, 2):
+        alone, _, _ = _run(adapter, {0: [i]}, compiled=True, batched=True, trunk=True, steps=8)
+        assert alone[f"s{i}"] == together[f"s{i}"], f"row {i} depends on its batch mates"
+    assert len({tuple(v) for v in together.values()}) == 3
+
+
+def test_the_compiled_draws_and_acceptance_equal_the_eager_ones():
+    """The device form's compiled draws and acceptance give the eager functions' bits (the draws'
+    int64 hashing wraps alike; the acceptance's sort, cumsum and scatter), for one row and several."""
+    from diffusion_plugin.step.accept import accept
+    from diffusion_plugin.step.compiled import compile_part
+    from diffusion_plugin.step.draws import step_draws
+
+    draws, accepts = compile_part(step_draws), compile_part(accept)
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 3, 5):
+        seeds = torch.randint(0, 2**62, (rows,), generator=g)
+        counters = torch.randint(0, 2**20, (rows,), generator=g)
+        assert all(torch.equal(a, b) for a, b in zip(draws(seeds, counters, 32, 1027),
+                                                      step_draws(seeds, counters, 32, 1027), strict=True))
+        entropy = torch.rand(rows, 32, generator=g) * 3
+        ids = [torch.randint(0, 1027, (rows, 32), generator=g) for _ in range(4)]
+        bounds, thresholds = torch.rand(rows, 1, generator=g) * 10, torch.rand(rows, generator=g) * 3
+        assert all(torch.equal(a, b) for a, b in zip(accepts(entropy, bounds, thresholds, *ids),
+                                                      accept(entropy, bounds, thresholds, *ids), strict=True))
+
+
 def test_an_engine_with_the_compiled_trunk_compiles_at_start_and_then_serves_without_compiling():
     """``engine_args.compiled_trunk`` through ``DiffusionEngine``: its start rehearses a block of
     one row and of two (``Runner.warm``), so chats of one page of context, alone and two at once,

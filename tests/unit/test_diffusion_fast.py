@@ -102,12 +102,41 @@ def test_the_compiled_vocabulary_passes_match_the_eager_one(adapter, caplog, mon
         close(eager, fused)
         assert fused[4][0] is not None and fused[4][0][1].shape == (C, 2)  # top logprobs still served
         broken = vocab.Scratch(compiled=True)
-        broken.blocked.math = fail
+        broken.plain.math = fail
         close(eager, vocab.fast_chunk(model, hidden, inv_t, uniform, broken))  # the fused pass, from now on
-        assert broken.blocked is None and "blocked vocabulary pass failed" in caplog.text
+        assert broken.plain is None and "blocked vocabulary pass failed" in caplog.text
         broken.fused = fail
         fallback = vocab.fast_chunk(model, hidden, inv_t, uniform, broken)
     assert broken.fused is None and "eager passes serve" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(eager[:4], fallback[:4], strict=True))
+
+
+def test_the_batched_pass_is_the_eager_maths_and_batch_invariant(adapter, caplog):
+    """A device's plain pass (``Scratch(compiled=True, batched=True)``: a chunk in one compiled
+    graph) against the eager passes on the same inputs, and a row's bits alone, among two mates
+    and among other ones (the graph of one row and the rows' shared one); a failure hands over
+    to the other passes, logged."""
+    from diffusion_plugin.families import diffusiongemma_vocab as vocab
+
+    model, C, H = adapter.model, adapter.canvas_length, adapter.model.lm_head.weight.shape[1]
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(4, C, H, generator=g) * 4
+    inv_t, uniform = torch.tensor([1.0, 1 / 0.4, 1 / 0.8, 1 / 0.6]), torch.rand(4, C, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        eager = vocab.fast_chunk(model, hidden[:3], inv_t[:3], uniform[:3], vocab.Scratch())
+        scratch = vocab.Scratch(compiled=True, batched=True)
+        scratch.fused = None  # never needed by plain rows
+        out = vocab.fast_chunk(model, hidden[:3], inv_t[:3], uniform[:3], scratch)
+        assert torch.equal(out[1], eager[1])
+        assert float((out[0] == eager[0]).float().mean()) >= 0.99
+        assert torch.allclose(out[2], eager[2], atol=1e-4) and torch.allclose(out[3], eager[3], rtol=1e-4, atol=1e-4)
+        alone = vocab.fast_chunk(model, hidden[:1], inv_t[:1], uniform[:1], scratch)
+        others = vocab.fast_chunk(model, hidden[[0, 3]], inv_t[[0, 3]], uniform[[0, 3]], scratch)
+        for a, b, c in zip(alone[:4], out[:4], others[:4], strict=True):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[0], c[0]), "a row's bits depend on its mates"
+        scratch.plain.fn = lambda *_: (_ for _ in ()).throw(RuntimeError("no compiler"))
+        fallback = vocab.fast_chunk(model, hidden[:3], inv_t[:3], uniform[:3], scratch)
+    assert scratch.plain is None and "batched vocabulary pass failed" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(eager[:4], fallback[:4], strict=True))
 
 
@@ -123,12 +152,12 @@ def test_fast_draws_depend_only_on_seed_and_step(adapter):
 
 def test_fast_sampler_follows_the_distribution(adapter):
     """Inverse-CDF sampling over blocks picks ids with their softmax probabilities."""
-    from diffusion_plugin.families.diffusiongemma_vocab import _inverse_cdf
+    from diffusion_plugin.families.diffusiongemma_batched import inverse_cdf
 
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3] + [0.0] * 1200)
     e = probs.expand(1, 20000, -1).contiguous()
     u = torch.rand(1, 20000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    ids = _inverse_cdf(e, u)[0]
+    ids = inverse_cdf(e, u)[0]
     freq = torch.bincount(ids, minlength=4)[:4].double() / ids.numel()
     assert int(freq[1]) == 0 and torch.allclose(freq, probs[:4].double(), atol=0.02)
 
