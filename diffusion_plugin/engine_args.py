@@ -59,9 +59,12 @@ class DiffusionEngineArgs(BaseModel):
                                         "nothing vocabulary-sized written); a row with top logprobs or pinned "
                                         "scores, as one fused kernel over its whole logits; a row with a filter "
                                         "(top_k, top_p, min_p, allowed ids, logit_bias, min_tokens) or a grammar, "
-                                        "the eager passes. None: on for cpu (0.57 against 0.87 CPU s a row-step at "
-                                        "DiffusionGemma's shape, 1.2x its two GEMMs), off on cuda (not measured "
-                                        "there yet).")
+                                        "the eager passes. On a cuda device (its device form) a plain row instead "
+                                        "takes its chunk's pass as one compiled graph, and the step's draws and "
+                                        "acceptance are compiled too (with compiled_trunk: 58 launches a layer for a "
+                                        "whole step at the 2-layer shape model, at 1 row as at a chunk of 4). None: "
+                                        "on for cpu (0.57 against 0.87 CPU s a row-step at DiffusionGemma's shape, "
+                                        "1.2x its two GEMMs), off on cuda (not measured there yet).")
     compiled_trunk: bool = Field(False, description="Fast sampler (ignored by the exact one): the decoder "
                                  "forward as torch.compile (inductor) graphs, one per size class (a lone row or "
                                  "several; context pages padded to a power of two; a block's first step or not), "

@@ -506,11 +506,12 @@ def levels_for(args, max_batch: int = 0) -> list[int]:
     return [1, 4, 8, 16]
 
 
-def op_counts(model_path: str, rows: str = "1,4") -> list[dict]:
+def op_counts(model_path: str, rows: str = "1,4", device_form: bool = False) -> list[dict]:
     """``tandem_tools.opcount`` on the benchmark's model, in its own process (one model in memory
-    at a time); [] if it fails (logged)."""
+    at a time), eager or in the step's device form; [] if it fails (logged)."""
     proc = subprocess.run([sys.executable, "-m", "tandem_tools.opcount", "--model", str(Path(model_path).resolve()),
-                           "--rows", rows, "--json"], capture_output=True, text=True, timeout=1800)
+                           "--rows", rows, "--json", *(["--device-form"] if device_form else [])],
+                          capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         logger.error("opcount failed: %s", proc.stderr[-1500:])
         return []
@@ -553,10 +554,13 @@ def main(args) -> int:
     print(f"\nstreaming chat, {name}, {args.max_tokens} output tokens/request, {steps}, max_batch {max_batch}, "
           f"one torch thread per engine; code {version}; {time.time() - t_start:.0f} s\n")
     print(format_table(results, levels))
-    ops = op_counts(model_path) if "fast" in samplers else []
+    forms = ("eager", "device") if "fast" in samplers else ()
+    ops = [{**r, "form": form} for form in forms for r in op_counts(model_path, device_form=form == "device")]
     for r in ops:
-        print(f"aten ops per fast denoise step (eager, counted on the host; python -m tandem_tools.opcount): "
-              f"{r['rows']} row(s): {r['ops']:,}, {r['per_layer']:,} per layer; host syncs {r['syncs'] or 'none'}")
+        how = ("eager" if r["form"] == "eager" else "device form: compiled parts' launches from inductor's code")
+        print(f"aten ops per fast denoise step ({how}; counted on the host, python -m tandem_tools.opcount"
+              f"{' --device-form' if r['form'] == 'device' else ''}): {r['rows']} row(s): {r['ops']:,}, "
+              f"{r['per_layer']:,} per layer; host syncs {r['syncs'] or 'none'}")
     if args.out:
         Path(args.out).write_text(json.dumps({"model": name, "levels": levels, "max_tokens": args.max_tokens,
                                               "steps": args.steps, "max_batch": max_batch, "code": version,

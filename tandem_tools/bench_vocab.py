@@ -12,7 +12,10 @@ torch thread as in a Ray actor, CPU time, medians of ``--rounds``):
   (``diffusiongemma_blocked``), each block's logits kept in the cache;
 - **compiled_fused**: the compiled pass a row with top logprobs or pinned scores takes: the
   elementwise passes and reductions over the whole logits as one ``torch.compile``d (inductor)
-  function per row, the GEMMs and the draw left as they are.
+  function per row, the GEMMs and the draw left as they are;
+- **compiled_batched**: the device form's pass (``Scratch(compiled=True, batched=True)``, the
+  default on a cuda device with ``compiled_vocab``): a chunk's whole pass as one compiled graph,
+  its GEMMs ``bmm``s over the rows (a lone row padded to two: twice the GEMMs here).
 The compilation is timed apart; the compiled passes' outputs are compared with eager's.
 
 With ``--steps`` (default 4): whole fast denoise steps of the runner (the trunk and the vocabulary
@@ -64,8 +67,13 @@ def measure(model_name: str = "shape-diffusiongemma", rounds: int = 5, threads: 
     if fused_scratch is not None:
         fused_scratch.plain = None  # the whole-logits kernel alone
 
+    batched_scratch = vocab.Scratch(compiled=True, batched=True) if compile_ else None
+
     def compiled():
         return vocab.fast_chunk(model, hidden, inv_t, uniform, compiled_scratch)[:4]
+
+    def compiled_batched():
+        return vocab.fast_chunk(model, hidden, inv_t, uniform, batched_scratch)[:4]
 
     def compiled_fused():
         return vocab.fast_chunk(model, hidden, inv_t, uniform, fused_scratch)[:4]
@@ -85,10 +93,11 @@ def measure(model_name: str = "shape-diffusiongemma", rounds: int = 5, threads: 
         out["compile_s"] = round(time.perf_counter() - t, 1)
         with torch.inference_mode():
             fused_scratch.warm(model, C, hidden.device)
-        cases["compiled"], cases["compiled_fused"] = compiled, compiled_fused
+            batched_scratch.warm(model, C, hidden.device)
+        cases.update(compiled=compiled, compiled_fused=compiled_fused, compiled_batched=compiled_batched)
         with torch.inference_mode():
             a = eager()
-            for name in ("compiled", "compiled_fused"):
+            for name in ("compiled", "compiled_fused", "compiled_batched"):
                 b = cases[name]()
                 out[f"{name}_vs_eager"] = {
                     "argmax_equal": bool(torch.equal(a[1], b[1])),

@@ -16,6 +16,8 @@ Not equal to HF's ``generate()``: a row's tokens do not depend on its batch mate
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from diffusion_plugin.batcher import memory
@@ -92,6 +94,16 @@ class FastPasses:
             row.pending = row.pending[:, j * PAGE_TOKENS:]
             row.cur_len = j * PAGE_TOKENS
         return j * PAGE_TOKENS
+
+    @contextmanager
+    def uncounted(self):
+        """What runs inside is no request (``Runner``'s start-up rehearsal): the prefix cache's
+        counters are left as they were."""
+        counters = self.prefix_queries, self.prefix_hits
+        try:
+            yield
+        finally:
+            self.prefix_queries, self.prefix_hits = counters
 
     def _register(self, row: Row, page: int) -> None:
         """The prompt's whole page ``page`` is written: each layer that holds it keeps it for reuse."""

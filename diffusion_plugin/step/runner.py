@@ -136,16 +136,15 @@ class Runner:
                            params=SamplingParams(max_tokens=C, seed=i, eos_token_ids=(), **params))
             seqs[seq.seq_id] = seq
             sched.add(seq)
-        counters = self.passes.prefix_queries, self.passes.prefix_hits
         try:
-            while sched.has_work():
-                batch, _ = sched.schedule()
-                if not batch.empty():
-                    sched.update(self.execute(batch, seqs))
+            with self.passes.uncounted():
+                while sched.has_work():
+                    batch, _ = sched.schedule()
+                    if not batch.empty():
+                        sched.update(self.execute(batch, seqs))
         finally:
             for seq_id in seqs:
                 self.free(seq_id)
-            self.passes.prefix_queries, self.passes.prefix_hits = counters
 
     def held_bytes(self) -> int:
         """Bytes held by sequences between steps beyond their KV caches (for measurements)."""

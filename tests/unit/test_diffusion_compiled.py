@@ -120,6 +120,22 @@ def test_the_device_form_is_batch_invariant_on_the_host(adapter):
     assert len({tuple(v) for v in together.values()}) == 3
 
 
+def test_the_device_form_step_takes_at_most_60_a_layer_whatever_the_rows(adapter):
+    """Issue 36's measure (``tandem_tools.opcount --device-form``) on the tiny model's code path: a
+    whole fast step in its device form counts the compiled parts' launches (from inductor's code)
+    and every other aten op; at most 60 a layer, at 1 row as at 4 (no growth with the rows), no
+    host sync."""
+    from tandem_tools.opcount import count_step
+
+    one, four = (count_step(adapter, rows, "fast", device_form=True) for rows in (1, 4))
+    for result in (one, four):
+        assert result["per_layer"] <= 60 and not result["syncs"], result
+        assert set(result["parts"]) == {"trunk", "vocab", "draws", "accept"}, result["parts"]
+        assert all(c["kernels"] > 0 for calls in result["parts"].values() for c in calls), result["parts"]
+    # (a lone row's trunk graph is not the several rows' one: a kernel or two apart, either way)
+    assert abs(one["ops"] - four["ops"]) <= 4, (one, four)
+
+
 def test_the_compiled_draws_and_acceptance_equal_the_eager_ones():
     """The device form's compiled draws and acceptance give the eager functions' bits (the draws'
     int64 hashing wraps alike; the acceptance's sort, cumsum and scatter), for one row and several."""
