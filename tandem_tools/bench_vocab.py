@@ -15,7 +15,7 @@ torch thread as in a Ray actor, CPU time, medians of ``--rounds``):
   function per row, the GEMMs and the draw left as they are;
 - **compiled_batched**: the device form's pass (``Scratch(compiled=True, batched=True)``, the
   default on a cuda device with ``compiled_vocab``): a chunk's whole pass as one compiled graph,
-  its GEMMs ``bmm``s over the rows (a lone row padded to two: twice the GEMMs here).
+  its GEMMs ``bmm``s over the rows' canvas halves (``gemm.bmm_halves``).
 The compilation is timed apart; the compiled passes' outputs are compared with eager's.
 
 With ``--steps`` (default 4): whole fast denoise steps of the runner (the trunk and the vocabulary

@@ -5,7 +5,8 @@ On a device a step's cost is its launches as much as its maths: the eager passes
 (``diffusiongemma_blocked``) ~100 launches a row (its blocks keep a CPU's cache warm; a GPU has
 no use for that). Here a chunk's whole plain pass is one ``torch.compile`` graph
 (``compiled.compile_part``: rows dynamic, reductions unsplit): the head as one ``bmm`` over the
-rows (``gemm.bmm_blocks``: a row's bits do not depend on its mates, a lone row padded to two),
+rows' canvas halves (``gemm.bmm_halves``: a row's bits do not depend on its mates, and a lone
+row costs one GEMM, not two),
 softcap, temperature, the max, exponents, mass and entropy fused, the soft embedding as a second
 ``bmm``, and the inverse-CDF draw, each row's C draws from its own uniforms.
 
@@ -21,7 +22,7 @@ import torch
 from diffusion_plugin.families.diffusiongemma_blocked import tanh_over
 from diffusion_plugin.step.attention import MIN_EXPONENT, TINY_EXP
 from diffusion_plugin.step.compiled import compile_part
-from diffusion_plugin.step.gemm import bmm_blocks
+from diffusion_plugin.step.gemm import bmm_halves
 
 CDF_BLOCK = 512  # the inverse CDF finds a block of this many ids first, then the id inside it
 
@@ -31,14 +32,14 @@ def plain(hidden: torch.Tensor, head: torch.Tensor, embed: torch.Tensor, scale: 
     """R rows' hidden states (R, C, H), the head's and the embedding's (V, H) weights, the
     embedding's scale, 1/temperature (R,), one uniform per position (R, C) float64 -> (sampled,
     argmax, entropy) each (R, C) and the soft embedding (R, C, H): the eager passes' maths."""
-    y = tanh_over(bmm_blocks(hidden, head.t()).to(torch.float32), cap) * (cap * inv_t)[:, None, None]
+    y = tanh_over(bmm_halves(hidden, head.t()).to(torch.float32), cap) * (cap * inv_t)[:, None, None]
     top, argmax = y.max(dim=-1)
     z = (y - top[..., None]).clamp(min=MIN_EXPONENT)
     e = torch.exp(z)
     e = torch.where(e <= TINY_EXP, torch.zeros_like(e), e)
     total = e.sum(-1)
     entropy = torch.log(total) - (z * e).sum(-1) / total
-    soft = bmm_blocks(e.to(embed.dtype), embed) / total[..., None].to(embed.dtype)
+    soft = bmm_halves(e.to(embed.dtype), embed) / total[..., None].to(embed.dtype)
     return inverse_cdf(e, uniform), argmax, entropy, soft * scale.to(hidden.dtype)
 
 

@@ -30,6 +30,17 @@ def bmm_blocks(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x, weight_t.expand(x.shape[0], -1, -1))[:n]
 
 
+def bmm_halves(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """(n, m, k) x (k, o) -> (n, m, o) as one bmm over the 2n halves of the n blocks (m even): the
+    same rule (every call a bmm over >= 2 equal blocks), and a lone block costs one GEMM, not two
+    (the vocabulary pass, ``diffusiongemma_batched``, whose two GEMMs are most of a row's step)."""
+    n, m, k = x.shape
+    if m % 2:
+        return bmm_blocks(x, weight_t)
+    halves = x.reshape(2 * n, m // 2, k)
+    return torch.bmm(halves, weight_t.expand(2 * n, -1, -1)).reshape(n, m, -1)
+
+
 @torch.library.custom_op("tandem::grouped_mm", mutates_args=())
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs=offs)`` as one opaque op. Its own meta function takes bf16

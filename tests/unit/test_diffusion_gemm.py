@@ -29,6 +29,21 @@ def test_a_rows_linear_has_the_same_bits_alone_and_batched_at_real_size():
         assert torch.equal(gemm.bmm_blocks(batch, w.t())[mates], alone), f"{mates} mates before it"
 
 
+def test_a_rows_halves_have_the_same_bits_alone_and_batched_at_real_size():
+    """``bmm_halves`` (the device form's vocabulary GEMMs): the head's shape at hidden 2816 (a
+    vocabulary slice) and the soft embedding's (vocabulary -> hidden), a lone row as one GEMM."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(4)
+    for k, o in ((2816, 2048), (4096, 2816)):
+        w_t = torch.randn(k, o, generator=g) / k ** 0.5
+        row = _rows(1, k, 5)
+        alone = gemm.bmm_halves(row, w_t)[0]
+        assert torch.allclose(alone, row[0] @ w_t, rtol=1e-4, atol=1e-4)
+        for mates in (1, 3):
+            batch = torch.cat([_rows(mates, k, 6 + mates), row])
+            assert torch.equal(gemm.bmm_halves(batch, w_t)[mates], alone), f"({k}, {o}): {mates} mates before it"
+
+
 def test_installed_linears_take_the_row_form_only_inside_rows():
     lin = torch.nn.Linear(64, 32, bias=True)
     model = torch.nn.Sequential(lin)
