@@ -5,8 +5,9 @@ CPU at hidden 2816, on an H200 (cuBLAS) at hidden 1024 and 2816 (``tests/gpu/pro
 A batched GEMM (``bmm``) over n equal blocks gave every block the same bits for every n >= 2
 (2..100, on both), and other bits at n = 1. So in fast mode's batched passes (``ROWS`` set: the
 decoder over canvases, batched commits) every linear over (B, C, H) rows is one ``bmm`` over its
-B rows (the weight broadcast, never copied), a lone row padded to two, and so is one over the same
-rows flattened (the MoE router's input). The experts run as grouped GEMMs
+B rows' 2B canvas halves (``bmm_halves``: the weight broadcast, never copied; a lone row is
+two blocks, so it costs one GEMM, not two padded ones), and so is one over the same rows
+flattened (the MoE router's input). The experts run as grouped GEMMs
 (``diffusiongemma_moe``). Prompt passes run alone and are left as they are.
 """
 
@@ -69,7 +70,7 @@ def _linear(module, hf_forward, x: torch.Tensor) -> torch.Tensor:
     if not canvas or not rows or rows % canvas:
         return hf_forward(x)
     blocks = x.reshape(-1, canvas, x.shape[-1])
-    y = bmm_blocks(blocks, module.weight.t()).reshape(*x.shape[:-1], -1)
+    y = bmm_halves(blocks, module.weight.t()).reshape(*x.shape[:-1], -1)
     return y if module.bias is None else y + module.bias
 
 

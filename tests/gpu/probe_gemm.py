@@ -31,6 +31,11 @@ def dense(device: str, H: int, out_dim: int, sizes=range(1, 17)) -> dict:
 
     alone = bmm_blocks(x[:C].view(1, C, H), w.t())[0]
     out["bmm_rows_differs_at_B"] = [b for b in sizes if _differs(alone, bmm_blocks(x[:b * C].view(b, C, H), w.t())[0])]
+    from diffusion_plugin.step.gemm import bmm_halves  # ... over the rows' canvas halves (the form served)
+
+    alone = bmm_halves(x[:C].view(1, C, H), w.t())[0]
+    out["bmm_halves_differs_at_B"] = [b for b in sizes
+                                      if _differs(alone, bmm_halves(x[:b * C].view(b, C, H), w.t())[0])]
     return out
 
 
@@ -58,6 +63,8 @@ def main() -> None:
     device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
     for H, n_out in ((128, 256), (128, 4096), (1024, 1024), (1024, 4096), (2816, 2816), (2816, 8192)):
         print(json.dumps(dense(device, H, n_out)), flush=True)
+    for H, n_out in ((2816, 262144), (262144, 2816)):  # the vocabulary pass's head and soft embedding
+        print(json.dumps(dense(device, H, n_out, sizes=(1, 2, 3, 4, 8))), flush=True)
     for H, n_out in ((128, 128), (64, 128), (1024, 64), (32, 1024), (2816, 1408), (704, 2816)):
         print(json.dumps(tiles(device, H, n_out)), flush=True)
     for heads, D, keys in ((16, 256, 256), (8, 256, 256), (16, 256, 512)):

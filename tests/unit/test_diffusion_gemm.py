@@ -2,8 +2,8 @@
 
 A row's linear batched with others must give the bits it gives alone: plain ``F.linear`` over
 (B*256, H) did not at hidden 2816 on this CPU's BLAS nor on an H200 (``tests/gpu/probe_gemm.py``);
-one ``bmm`` over the rows (a lone row padded to two) does, and an installed model's linears take
-that form only inside a fast-mode pass over canvases (``ROWS``), flattened rows (the MoE router's
+one ``bmm`` over the rows (a lone row padded to two) does, and so does one over the rows' canvas
+halves (a lone row is two blocks), the form an installed model's linears take only inside a fast-mode pass over canvases (``ROWS``), flattened rows (the MoE router's
 input) included."""
 
 import torch
@@ -50,8 +50,8 @@ def test_installed_linears_take_the_row_form_only_inside_rows():
     x = torch.randn(3, C, 64)
     want = lin(x)
     calls = []
-    real = gemm.bmm_blocks
-    gemm.bmm_blocks = lambda *a: calls.append(1) or real(*a)
+    real = gemm.bmm_halves
+    gemm.bmm_halves = lambda *a: calls.append(1) or real(*a)
     try:
         gemm.install(model)
         assert torch.equal(lin(x), want) and not calls  # outside ROWS: HF's own forward
@@ -68,4 +68,4 @@ def test_installed_linears_take_the_row_form_only_inside_rows():
         finally:
             gemm.ROWS.reset(token)
     finally:
-        gemm.bmm_blocks = real
+        gemm.bmm_halves = real
