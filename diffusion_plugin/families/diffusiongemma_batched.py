@@ -44,10 +44,15 @@ def plain(hidden: torch.Tensor, head: torch.Tensor, embed: torch.Tensor, scale: 
 
 
 class Batched:
-    """``plain`` compiled (its graphs compile at their first call: ``warm`` calls both)."""
+    """``plain`` compiled (its graphs compile at their first call: ``warm`` calls both); a plain
+    pass of ``diffusiongemma_vocab.Scratch`` (``takes``, ``run``, ``warm``)."""
 
     def __init__(self):
         self.fn = compile_part(plain)
+
+    @staticmethod
+    def takes(weight: torch.Tensor) -> bool:
+        return True  # any dtype
 
     def run(self, model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.Tensor):
         embed = model.model.decoder.embed_tokens

@@ -58,10 +58,25 @@ def _block(y: torch.Tensor, m: torch.Tensor, mass: torch.Tensor, zsum: torch.Ten
 
 
 class Blocked:
-    """The blocked pass (its kernel compiled at the first call: ``warm``), one row at a time."""
+    """The blocked pass (its kernel compiled at the first call: ``warm``), one row at a time; a
+    plain pass of ``diffusiongemma_vocab.Scratch`` (``takes``, ``run``, ``warm``)."""
 
     def __init__(self):
         self.math = torch.compile(_block, dynamic=False)
+
+    @staticmethod
+    def takes(weight: torch.Tensor) -> bool:
+        return weight.dtype == torch.float32  # (its buffers are float32, as the trunk's hidden states then)
+
+    def run(self, model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.Tensor):
+        """R rows (R, C, H) -> (sampled, argmax, entropy) each (R, C) and the soft embedding (R, C, H)."""
+        parts = [self.row(model, hidden[b], inv_t[b:b + 1], uniform[b]) for b in range(hidden.shape[0])]
+        return tuple(torch.stack(xs) for xs in zip(*parts, strict=True))
+
+    def warm(self, model, canvas: int, device) -> None:
+        H = model.lm_head.weight.shape[1]
+        self.run(model, torch.zeros(1, canvas, H, device=device), torch.ones(1, device=device),
+                 torch.full((1, canvas), 0.5, dtype=torch.float64, device=device))
 
     @torch.no_grad()
     def row(self, model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.Tensor):

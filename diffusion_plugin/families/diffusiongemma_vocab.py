@@ -198,34 +198,26 @@ class Scratch:
 
     def warm(self, model, canvas: int, device) -> None:
         """Compiles the compiled passes now (at engine start), not in the first request's step."""
-        if isinstance(self.plain, Batched):
+        if self.plain is not None and self.plain.takes(model.lm_head.weight):
             self.plain.warm(model, canvas, device)
-        elif self.plain is not None:
-            H = model.lm_head.weight.shape[1]
-            self.run_plain(model, torch.zeros(1, canvas, H, device=device), torch.ones(1, device=device),
-                           torch.full((1, canvas), 0.5, dtype=torch.float64, device=device))
         if self.fused is not None:
             x, e = self.get((1, canvas, model.lm_head.weight.shape[0]), device)
             x.zero_()
             self.run_fused(x, e, torch.ones(1, device=device), float(model.final_logit_softcapping))
 
     def run_plain(self, model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.Tensor):
-        """The plain rows' pass (batched: the chunk in one graph; blocked: one row at a time, and
-        float32 only): (sampled, argmax, entropy, soft) of ``hidden``'s rows; None if there is none
-        for them or it failed, and from then on the other passes serve."""
-        if self.plain is None or (isinstance(self.plain, Blocked) and not hidden.dtype == torch.float32
-                                  == model.lm_head.weight.dtype):
+        """The plain rows' pass (``Blocked``: one row at a time, float32 only; ``Batched``: the
+        chunk in one graph): (sampled, argmax, entropy, soft) of ``hidden``'s rows; None if none
+        takes them or it failed, and from then on the other passes serve."""
+        if self.plain is None or not self.plain.takes(model.lm_head.weight):
             return None
         try:
-            if isinstance(self.plain, Batched):
-                return self.plain.run(model, hidden, inv_t, uniform)
-            parts = [self.plain.row(model, hidden[b], inv_t[b:b + 1], uniform[b]) for b in range(hidden.shape[0])]
+            return self.plain.run(model, hidden, inv_t, uniform)
         except Exception:  # noqa: BLE001 - the one place a failure of the plain pass is handled
             logger.exception("the %s vocabulary pass failed; the other passes serve from now on",
                              type(self.plain).__name__.lower())
             self.plain = None
             return None
-        return tuple(torch.stack(xs) for xs in zip(*parts, strict=True))
 
     def run_fused(self, x: torch.Tensor, e: torch.Tensor, inv_t: torch.Tensor, cap: float):
         """The fused pass, one row at a time (the same kernel and shape whatever the batch):
