@@ -32,15 +32,23 @@ def plain(hidden: torch.Tensor, head: torch.Tensor, embed: torch.Tensor, scale: 
     """R rows' hidden states (R, C, H), the head's and the embedding's (V, H) weights, the
     embedding's scale, 1/temperature (R,), one uniform per position (R, C) float64 -> (sampled,
     argmax, entropy) each (R, C) and the soft embedding (R, C, H): the eager passes' maths."""
-    y = tanh_over(bmm_halves(hidden, head.t()).to(torch.float32), cap) * (cap * inv_t)[:, None, None]
+    _, e, total, argmax, entropy = exponents(bmm_halves(hidden, head.t()).to(torch.float32), inv_t, cap)
+    soft = bmm_halves(e.to(embed.dtype), embed) / total[..., None].to(embed.dtype)
+    return inverse_cdf(e, uniform), argmax, entropy, soft * scale.to(hidden.dtype)
+
+
+def exponents(x: torch.Tensor, inv_t: torch.Tensor, cap: float):
+    """Rows' raw logits (R, C, V) and 1/temperature (R,) -> the processed logits shifted by their
+    max z (clamped at ``MIN_EXPONENT``), their exponents e (zero at or below ``TINY_EXP``), the mass
+    (R, C), the argmax and the entropy of softmax: the compiled passes' maths (``plain``, and
+    ``diffusiongemma_vocab._vocab_math``, which says why the softcap is ``tanh_over``)."""
+    y = tanh_over(x, cap) * (cap * inv_t)[:, None, None]
     top, argmax = y.max(dim=-1)
     z = (y - top[..., None]).clamp(min=MIN_EXPONENT)
     e = torch.exp(z)
     e = torch.where(e <= TINY_EXP, torch.zeros_like(e), e)
     total = e.sum(-1)
-    entropy = torch.log(total) - (z * e).sum(-1) / total
-    soft = bmm_halves(e.to(embed.dtype), embed) / total[..., None].to(embed.dtype)
-    return inverse_cdf(e, uniform), argmax, entropy, soft * scale.to(hidden.dtype)
+    return z, e, total, argmax, torch.log(total) - (z * e).sum(-1) / total  # log S - sum(z e) / S
 
 
 class Batched:

@@ -28,8 +28,8 @@ import torch
 
 from diffusion_plugin.batcher.batch import Pins
 from diffusion_plugin.batcher.request import SamplingParams, Score
-from diffusion_plugin.families.diffusiongemma_batched import Batched, inverse_cdf
-from diffusion_plugin.families.diffusiongemma_blocked import Blocked, tanh_over
+from diffusion_plugin.families.diffusiongemma_batched import Batched, exponents, inverse_cdf
+from diffusion_plugin.families.diffusiongemma_blocked import Blocked
 from diffusion_plugin.step import filters
 from diffusion_plugin.step.attention import MIN_EXPONENT, TINY_EXP
 
@@ -325,13 +325,7 @@ def _vocab_math(x: torch.Tensor, e: torch.Tensor, inv_t: torch.Tensor, cap: floa
     The softcap's tanh(u) is taken as 1 - 2 / (exp(2u) + 1): within 1.4e-7 of tanh (a logit moves
     by at most 30 x that), and a third of its CPU here (tanh alone was 0.17 s of a canvas x
     vocabulary, exp 0.06); exp's overflow at |u| > 44 gives the limits +-1 exactly."""
-    y = tanh_over(x, cap) * (cap * inv_t)[:, None, None]
-    top, argmax = y.max(dim=-1)
-    z = (y - top[..., None]).clamp(min=MIN_EXPONENT)
-    exps = torch.exp(z)
-    exps = torch.where(exps <= TINY_EXP, torch.zeros_like(exps), exps)
-    total = exps.sum(-1)
-    entropy = torch.log(total) - (z * exps).sum(-1) / total
+    z, exps, total, argmax, entropy = exponents(x, inv_t, cap)
     e.copy_(exps)
     x.copy_(z)
     return total, argmax, entropy
