@@ -31,7 +31,7 @@ from diffusion_plugin.api.prepare import Preparer
 from diffusion_plugin.api.structured import warm_structured
 from diffusion_plugin.api.token_text import TextOffsets, token_string
 from diffusion_plugin.batcher.loop import DiffusionLoop, EventKind
-from diffusion_plugin.batcher.memory import GIB, PAGE_TOKENS, MemoryBudget, host_available_bytes
+from diffusion_plugin.batcher.memory import GIB, PAGE_TOKENS, MemoryBudget, chunk_rows, host_available_bytes
 from diffusion_plugin.batcher.memory import plan as memory_plan
 from diffusion_plugin.batcher.request import SeqStatus
 from diffusion_plugin.batcher.scheduler import Scheduler
@@ -117,8 +117,7 @@ class DiffusionEngine:
         return EngineInfo(model=self.model, kind="diffusion", max_model_len=adapter.max_position, extra=extra)
 
     def _chunk_rows(self) -> int:
-        # CPU: one row at a time (a C x V matmul is already large); a GPU takes a few rows per pass.
-        return 1 if self.sampler == "exact" or str(self.device).startswith("cpu") else 4
+        return chunk_rows(self.sampler, str(self.device))
 
     def _budget(self) -> MemoryBudget:
         """``memory.plan`` for this engine: its budget (``memory_budget_gib``, else from the memory

@@ -16,7 +16,8 @@ A family is an adapter object over a loaded checkpoint:
   over canvases -> hidden states), ``fast_experts(on)`` (a context: the batch-invariant MoE of
   fast mode, or the checkpoint's own);
 - **the vocabulary pass**: ``vocab_scratch(compiled, batched)`` (fast mode's reusable buffers;
-  ``batched``: a device's form of the compiled passes),
+  ``batched``: a device's form of the compiled passes; a scratch's optional ``instrument(wrap)``
+  hands its compiled pass to a measuring tool, as ``FastPasses.instrument`` does),
   ``warm_vocab(scratch)``, ``vocab_fast(hidden, inv_t, uniform, scratch, ks, grammars, uniform2,
   filtered, pins)`` (a chunk of rows) and ``vocab_exact(hidden, p, steps_left, generator,
   produced, pins, grammar)`` (one row, bit-exact with the reference ``generate()``), each returning

@@ -125,6 +125,7 @@ def throughput(args, path: str) -> dict:
     import torch
     from transformers import DiffusionGemmaForBlockDiffusion
 
+    from diffusion_plugin.batcher.memory import DEVICE_CHUNK_ROWS
     from diffusion_plugin.families import load_adapter
 
     adapter = load_adapter("diffusiongemma", path, device=args.device)
@@ -142,9 +143,10 @@ def throughput(args, path: str) -> dict:
                # each row through the passes alone (Runner's rowwise): what batching gains
                "tandem fast rowwise": lambda ps: run_tandem(adapter, "fast", ps, args, kv_budget, True)}
     if args.graphs:  # the device form: the trunk compiled and replayed as CUDA graphs (engine_args.cuda_graphs),
-        # each chunk's vocabulary pass, the draws and the acceptance compiled (compiled_vocab), chunks of 4 rows
+        # each chunk's vocabulary pass, the draws and the acceptance compiled (compiled_vocab), a device's chunks
         targets["tandem fast graphs"] = lambda ps: run_tandem(adapter, "fast", ps, args, kv_budget, compiled_trunk=True,
-                                                              cuda_graphs=True, compiled_vocab=True, chunk_rows=4)
+                                                              cuda_graphs=True, compiled_vocab=True,
+                                                              chunk_rows=DEVICE_CHUNK_ROWS)
     for fn in targets.values():  # warm-up: CUDA context, cuBLAS handles, allocator (and compilation)
         fn(prompts[:1])
     if args.graphs:  # the several-rows graphs too (captured at their second call)
@@ -261,9 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-requests", type=int, default=16, help="prefix: requests (default: 16)")
     p.add_argument("--prefix-max-tokens", type=int, default=32, help="prefix: max_tokens (default: 32)")
     p.add_argument("--graphs", action="store_true", help="throughput: also tandem fast in its device form: the "
-                   "trunk compiled and replayed as CUDA graphs, the vocabulary pass (chunks of 4 rows), draws and "
-                   "acceptance compiled (engine_args.compiled_trunk + cuda_graphs + compiled_vocab; compiled in the "
-                   "warm-up)")
+                   "trunk compiled and replayed as CUDA graphs, the vocabulary pass (a device engine's chunks of "
+                   "rows), draws and acceptance compiled (engine_args.compiled_trunk + cuda_graphs + compiled_vocab; "
+                   "compiled in the warm-up)")
     p.add_argument("--out", default="", help="write the summary as JSON here")
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",")]

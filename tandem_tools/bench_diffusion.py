@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-rss-gib", type=float, default=7.0,
                    help="skip an HF static batch whose estimated RSS exceeds this (default: 7)")
     g.add_argument("--no-hf", action="store_true", help="tandem targets only")
+    g.add_argument("--no-counts", action="store_true",
+                   help="skip the aten-op counts per fast step printed after the table (eager and device form; "
+                        "the device form compiles each part of the step: minutes with a cold inductor cache)")
     g.add_argument("--device", default="cpu",
                    help="cpu (default) or cuda: HF's device, and tandem's engine_args.device with one GPU per "
                         "replica (HF's peak device memory per row from torch.cuda)")
@@ -554,7 +557,7 @@ def main(args) -> int:
     print(f"\nstreaming chat, {name}, {args.max_tokens} output tokens/request, {steps}, max_batch {max_batch}, "
           f"one torch thread per engine; code {version}; {time.time() - t_start:.0f} s\n")
     print(format_table(results, levels))
-    forms = ("eager", "device") if "fast" in samplers else ()
+    forms = ("eager", "device") if "fast" in samplers and not args.no_counts else ()
     ops = [{**r, "form": form} for form in forms for r in op_counts(model_path, device_form=form == "device")]
     for r in ops:
         how = ("eager" if r["form"] == "eager" else "device form: compiled parts' launches from inductor's code")

@@ -20,8 +20,9 @@ import json
 import sys
 from collections import Counter
 
+from diffusion_plugin.batcher.memory import DEVICE_CHUNK_ROWS
+
 SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.is_nonzero")
-DEVICE_CHUNK_ROWS = 4  # the rows a device engine's vocabulary pass takes at once (``DiffusionEngine``)
 
 
 def count_step(adapter, rows: int, sampler: str = "fast", prompt_len: int = 16, compiled_trunk: bool = False,
@@ -62,13 +63,8 @@ def count_step(adapter, rows: int, sampler: str = "fast", prompt_len: int = 16, 
             return out
         return call
 
-    passes = drive.runner.passes
-    if compiled_trunk or device_form:
-        passes._decode = counted("trunk", adapter.decode_hidden, compile_trunk)
-    if device_form:
-        passes._draws = counted("draws", passes._draws.eager, compile_part)
-        passes.accept = counted("accept", passes.accept.eager, compile_part)
-        passes.scratch.plain.fn = counted("vocab", passes.scratch.plain.fn.eager, compile_part)
+    drive.runner.passes.instrument(lambda name, eager: counted(name, eager,
+                                                               compile_trunk if name == "trunk" else compile_part))
     with torch.inference_mode(), counter:
         drive.runner.execute(batch, drive.seqs)
     total = sum(counter.ops.values()) + sum(c["kernels"] + c["extern"] for calls in parts.values() for c in calls)

@@ -36,6 +36,7 @@ SAFETY_FRACTION = 0.8  # of the memory free at engine start (after the weights a
 # margin (exact: 3 in its in-place sampler, 4 with logprobs; measured 0.93 GiB peak growth at
 # the real shape, batch 1).
 VOCAB_UNITS = {"exact": 5, "fast": 4}
+DEVICE_CHUNK_ROWS = 4  # a device's fast vocabulary pass: rows per chunk (``chunk_rows``)
 PAGE_TOKENS = 128  # tokens per KV page (= attention.ATTN_BLOCK, the kernel's key block) and the prefix
 # cache's grain: each request recomputes the partial last page of a shared prompt (docs/benchmarks.md)
 # Device, fast mode: the share of the budget the KV page pool takes by default (engine_args
@@ -179,6 +180,13 @@ def sequence_bytes(shape: MemoryShape, prompt_tokens: int, max_tokens: int) -> i
     # The encoder's prompt pass: activations over the whole prompt, once.
     prefill = prompt_tokens * shape.itemsize * 16 * H
     return kv + state + activations + prefill
+
+
+def chunk_rows(sampler: str, device: str) -> int:
+    """Rows a step's vocabulary pass takes at once (its transient: ``VOCAB_UNITS`` a row): one on
+    the host (a canvas x vocabulary GEMM is already large there) and in exact mode (HF's shape);
+    ``DEVICE_CHUNK_ROWS`` in a device's fast mode."""
+    return 1 if sampler == "exact" or str(device).startswith("cpu") else DEVICE_CHUNK_ROWS
 
 
 def step_transient_bytes(shape: MemoryShape, sampler: str, chunk_rows: int) -> int:

@@ -67,6 +67,9 @@ class Batched:
         return self.fn(hidden, model.lm_head.weight, embed.weight, embed.embed_scale, inv_t, uniform,
                        float(model.final_logit_softcapping))
 
+    def instrument(self, wrap) -> None:
+        self.fn = wrap("vocab", plain)
+
     def warm(self, model, canvas: int, device) -> None:
         """A lone row's graph and the several rows' one."""
         H = model.lm_head.weight.shape[1]

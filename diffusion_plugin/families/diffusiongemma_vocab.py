@@ -205,6 +205,11 @@ class Scratch:
             x.zero_()
             self.run_fused(x, e, torch.ones(1, device=device), float(model.final_logit_softcapping))
 
+    def instrument(self, wrap) -> None:
+        """``FastPasses.instrument``: the compiled plain pass (the device form's) as ``wrap("vocab", eager)``."""
+        if self.plain is not None and hasattr(self.plain, "instrument"):
+            self.plain.instrument(wrap)
+
     def run_plain(self, model, hidden: torch.Tensor, inv_t: torch.Tensor, uniform: torch.Tensor):
         """The plain rows' pass (``Blocked``: one row at a time, float32 only; ``Batched``: the
         chunk in one graph): (sampled, argmax, entropy, soft) of ``hidden``'s rows; None if none

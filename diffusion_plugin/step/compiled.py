@@ -26,10 +26,8 @@ RECOMPILE_LIMIT = 64  # graphs one trunk may compile (size classes); past it an 
 
 
 def compile_trunk(forward, cuda_graphs: bool = False):
-    """``forward`` (a family's ``decode_hidden``) as a compiled function. Its calls, and only its
-    calls, run under a recompile limit of ``RECOMPILE_LIMIT`` that fails when hit: past it Dynamo
-    would otherwise run the eager trunk (other bits) without a word. The process's Dynamo
-    configuration, which other compiled functions read, is left as it is.
+    """``forward`` (a family's ``decode_hidden``) as a compiled function, under ``RECOMPILE_LIMIT``
+    (``_limited``).
 
     ``cuda_graphs`` (``engine_args.cuda_graphs``, a cuda device): inductor's CUDA graph trees
     (``mode="reduce-overhead"``) capture each graph at its second call and replay it from then on;
@@ -37,16 +35,15 @@ def compile_trunk(forward, cuda_graphs: bool = False):
     marked: ``mark_static``), and the output is copied out (a replay overwrites its buffers)."""
     import torch
 
-    compiled = torch.compile(forward, dynamic=True, mode="reduce-overhead" if cuda_graphs else None)
+    limited = _limited(torch.compile(forward, dynamic=True, mode="reduce-overhead" if cuda_graphs else None))
+    if not cuda_graphs:
+        return limited
 
-    def trunk(*args, **kwargs):
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
-            if cuda_graphs:
-                torch.compiler.cudagraph_mark_step_begin()
-                return compiled(*args, **kwargs).clone()
-            return compiled(*args, **kwargs)
+    def replayed(*args, **kwargs):
+        torch.compiler.cudagraph_mark_step_begin()
+        return limited(*args, **kwargs).clone()
 
-    return trunk
+    return replayed
 
 
 def compile_part(fn):
@@ -54,20 +51,25 @@ def compile_part(fn):
     compiled graphs, rows dynamic as the trunk's: a lone row has its graph, rows 2.. share one.
     Reductions are not split across kernels (``split_reductions``: a split's count follows the
     rows, and with it a row's summation order), and where inductor has it, its batch-invariant mode
-    (each kernel's configuration fixed whatever the batch). The calls run under the trunk's
-    recompile limit, failing loudly past it."""
+    (each kernel's configuration fixed whatever the batch). Under the trunk's recompile limit."""
     import torch
     import torch._inductor.config as inductor
 
     options = {"split_reductions": False, **({"batch_invariant": True} if hasattr(inductor, "batch_invariant") else {})}
-    compiled = torch.compile(fn, dynamic=True, options=options)
+    return _limited(torch.compile(fn, dynamic=True, options=options))
 
-    def part(*args, **kwargs):
+
+def _limited(compiled):
+    """``compiled``'s calls, and only them, under ``RECOMPILE_LIMIT``, failing when it is hit (past
+    it Dynamo would otherwise run the eager function, other bits, without a word); the process's
+    Dynamo configuration, which other compiled functions read, is left as it is."""
+    import torch
+
+    def call(*args, **kwargs):
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
             return compiled(*args, **kwargs)
 
-    part.eager = fn  # (what ``tandem_tools.opcount`` counts the compiled launches of)
-    return part
+    return call
 
 
 def mark_static(pool) -> None:

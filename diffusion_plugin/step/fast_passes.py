@@ -67,9 +67,9 @@ class FastPasses:
         self.row_views: dict[str, FastViews] = {}
         batched = adapter.device.type != "cpu" if batched_vocab is None else bool(batched_vocab)
         self.scratch = adapter.vocab_scratch(compiled_vocab, batched)  # reusable vocabulary buffers
-        device_form = compiled_vocab and batched
-        self._draws = compile_part(step_draws) if device_form else step_draws
-        self.accept = compile_part(accept) if device_form else accept
+        self.device_form = bool(compiled_vocab and batched)
+        self._draws = compile_part(step_draws) if self.device_form else step_draws
+        self.accept = compile_part(accept) if self.device_form else accept
 
     # -- the KV pool and the prefix cache -----------------------------------------------------
     def new_cache(self):
@@ -216,7 +216,7 @@ class FastPasses:
         """Compiles what the family compiles (``compiled_vocab``) now, not in a request's step, and
         in the device form the draws' and the acceptance's graphs (a lone row's, several rows')."""
         self.adapter.warm_vocab(self.scratch)
-        if self.accept is accept:
+        if not self.device_form:
             return
         C, device = self.adapter.canvas_length, self.adapter.device
         for rows in (1, 2):
@@ -224,6 +224,19 @@ class FastPasses:
             self._draws(seeds, seeds, C, self.adapter.vocab_size)
             ids, entropy = torch.zeros(rows, C, dtype=torch.long, device=device), torch.zeros(rows, C, device=device)
             self.accept(entropy, entropy[:, :1], entropy[:, 0], ids, ids, ids, ids)
+
+    def instrument(self, wrap) -> None:
+        """For a measuring tool (``tandem_tools.opcount``): each compiled part of the step (the
+        trunk; in the device form the draws, the acceptance and the family's compiled vocabulary
+        pass) becomes ``wrap(name, eager)``, ``eager`` the part's uncompiled function."""
+        if self.compiled_trunk:
+            self._decode = wrap("trunk", self.adapter.decode_hidden)
+        if self.device_form:
+            self._draws = wrap("draws", step_draws)
+            self.accept = wrap("accept", accept)
+            instrument = getattr(self.scratch, "instrument", None)  # (a family's scratch may have no compiled pass)
+            if instrument is not None:
+                instrument(wrap)
 
 
 def counters_of(rows: list[Row], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ Run on a lent device: ``python -m pytest tests/gpu -q -rs -s`` (prints the memor
 import pytest
 import torch
 
+from diffusion_plugin.batcher.memory import DEVICE_CHUNK_ROWS
 from diffusion_plugin.batcher.request import SamplingParams, Sequence
 from diffusion_plugin.batcher.scheduler import Scheduler
 from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
@@ -113,9 +114,9 @@ def test_a_cuda_graph_replay_equals_the_compiled_step_on_gpu(adapter, prompts):
 
 def test_the_device_form_is_batch_invariant_on_gpu(adapter, prompts):
     """The step's device form (``compiled_vocab`` on a cuda device: each chunk's vocabulary pass,
-    the draws and the acceptance compiled; the trunk compiled under CUDA graphs; chunks of 4 rows):
+    the draws and the acceptance compiled; the trunk compiled under CUDA graphs; a device engine's chunks):
     a row's tokens alone equal its tokens among mates joining mid-block."""
-    form = {"compiled_trunk": True, "cuda_graphs": True, "compiled_vocab": True, "chunk_rows": 4}
+    form = {"compiled_trunk": True, "cuda_graphs": True, "compiled_vocab": True, "chunk_rows": DEVICE_CHUNK_ROWS}
     together, widest, _ = _run(adapter, "fast", prompts, ARRIVALS, {}, **form)
     assert widest >= 3
     for i in (0, 3):
