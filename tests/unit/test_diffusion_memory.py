@@ -5,9 +5,11 @@ import random
 import pytest
 
 from diffusion_plugin.batcher.memory import (
+    DEVICE_CHUNK_ROWS,
     KV_FRACTION,
     PAGE_TOKENS,
     PLAN_TOKENS,
+    SAFETY_FRACTION,
     MemoryBudget,
     MemoryShape,
     group_shares,
@@ -17,6 +19,7 @@ from diffusion_plugin.batcher.memory import (
     plan_pool,
     pool_pages,
     sequence_bytes,
+    step_transient_bytes,
 )
 from diffusion_plugin.batcher.request import SamplingParams, SeqStatus, Sequence
 from diffusion_plugin.batcher.scheduler import Scheduler
@@ -247,3 +250,16 @@ def test_kv_cache_fraction_is_validated(bad):
     with pytest.raises(ValueError, match="kv_cache_fraction"):
         DiffusionEngine("m", "", {"kv_cache_fraction": bad})
     assert DiffusionEngineArgs(kv_cache_fraction=0.3).kv_cache_fraction == 0.3
+
+
+@pytest.mark.parametrize(("sampler", "device", "rows"), [("fast", "cpu", 1), ("exact", "cuda", 1),
+                                                          ("fast", "cuda:0", DEVICE_CHUNK_ROWS)])
+def test_the_engine_plans_the_vocabulary_transient_of_the_chunks_its_runner_takes(sampler, device, rows):
+    """One rule for the rows a vocabulary pass takes at once: the runner's chunks and the plan's
+    fixed transient read the same number."""
+    engine = DiffusionEngine("m", "", {"sampler": sampler, "device": device, "max_batch": 16})
+    assert engine._chunk_rows() == rows
+    shape = MemoryShape(canvas_length=256, vocab_size=262144, hidden_size=128, num_heads=4, itemsize=2,
+                        layers=((256, None),))
+    free, one_row = 64 << 30, step_transient_bytes(shape, sampler, 1)
+    assert engine._plan(shape, free_bytes=free).budget_bytes == int(free * SAFETY_FRACTION) - rows * one_row
