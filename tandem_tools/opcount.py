@@ -5,7 +5,9 @@ device: every aten op is at least one kernel launch there).
 admits ``rows`` sequences, runs until each is denoising, then counts the ops of one
 denoise-only step under a ``TorchDispatchMode``: in all, per layer, the most frequent, and the
 host synchronisations among them (``_local_scalar_dense``: ``.item()``/``.tolist()``;
-``nonzero``), which stall a device's queue.
+``nonzero``), which stall a device's queue, and the tensors made from Python numbers in the step
+(``lift_fresh``: ``torch.tensor(...)``; on a device each is a copy that waits for the stream: the
+step's numbers go through ``diffusion_plugin.step.staging`` instead).
 
 With ``--compiled-trunk`` (``engine_args.compiled_trunk``) the trunk is one compiled graph, whose
 work a dispatch mode does not see: its launches are counted from the code inductor generates
@@ -23,11 +25,12 @@ from collections import Counter
 from diffusion_plugin.batcher.memory import DEVICE_CHUNK_ROWS
 
 SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.is_nonzero")
+HOST_TENSOR = "aten.lift_fresh"  # a tensor made from Python numbers (``torch.tensor``)
 
 
 def count_step(adapter, rows: int, sampler: str = "fast", prompt_len: int = 16, compiled_trunk: bool = False,
                device_form: bool = False) -> dict:
-    """One denoise-only step of ``rows`` rows: {"ops", "per_layer", "syncs", "top"} (and, with
+    """One denoise-only step of ``rows`` rows: {"ops", "per_layer", "syncs", "host_tensors", "top"} (and, with
     ``compiled_trunk``, "trunk": the compiled trunk's launches in place of its eager ops; with
     ``device_form``, "parts": so for each compiled part of the step)."""
     import torch
@@ -72,7 +75,8 @@ def count_step(adapter, rows: int, sampler: str = "fast", prompt_len: int = 16, 
     trunk = ({"eager_ops": parts["trunk"][0]["eager_ops"], "launches": {k: parts["trunk"][0][k] for k in
              ("kernels", "extern")}} if "trunk" in parts else None)
     return {"rows": rows, "ops": total, "per_layer": round(total / layers, 1), "layers": layers,
-            "syncs": {k: counter.ops[k] for k in SYNCS if counter.ops[k]}, "top": counter.ops.most_common(12),
+            "syncs": {k: counter.ops[k] for k in SYNCS if counter.ops[k]}, "host_tensors": counter.ops[HOST_TENSOR],
+            "top": counter.ops.most_common(12),
             **({"trunk": trunk} if trunk else {}), **({"parts": parts} if device_form else {})}
 
 
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{args.model}, {args.sampler}, {rows} row(s): {result['ops']:,} aten ops per denoise step, "
                   f"{result['per_layer']:,} per layer ({result['layers']} layers); host syncs {result['syncs']}; "
+                  f"tensors made from host numbers {result['host_tensors']}; "
                   f"most frequent {result['top']}"
                   + (f"; compiled trunk {result['trunk']}" if args.compiled_trunk else "")
                   + (f"; compiled parts {result['parts']}" if args.device_form else ""))

@@ -51,7 +51,10 @@ class ExactPasses:
                                                          None if soft is None else soft[b:b + 1])
                               for b, r in enumerate(rows)])
 
-    def vocab(self, rows: list[Row], hidden: torch.Tensor, steps_left: list[int]):
+    def step_numbers(self, rows: list[Row], steps_left: list[int]) -> dict:
+        return {}  # (the generators and HF's own tensors: nothing staged)
+
+    def vocab(self, rows: list[Row], hidden: torch.Tensor, steps_left: list[int], numbers: dict | None = None):
         """(sampled, argmax, entropy, renoise, soft, tops, scores) for ``rows``, row by row."""
         parts = [self.adapter.vocab_exact(hidden[b:b + 1], r.bp, steps_left[b], r.generator, len(r.seq.output_ids),
                                           r.pins, None if r.constrained is None else r.grammar)
@@ -59,8 +62,8 @@ class ExactPasses:
         return (*(torch.cat(xs) for xs in zip(*(x[:5] for x in parts), strict=True)), [x[5] for x in parts],
                 [x[6] for x in parts])
 
-    def init_canvas(self, row: Row) -> torch.Tensor:
-        return self.adapter.init_canvas(row.generator)
+    def init_canvases(self, rows: list[Row]) -> list[torch.Tensor]:
+        return [self.adapter.init_canvas(r.generator) for r in rows]
 
     def warm(self) -> None:
         pass

@@ -31,6 +31,7 @@ from diffusion_plugin.step.draws import GRAMMAR, INIT, hash_draws, hash_uniform,
 from diffusion_plugin.step.kv_view import FastViews, KVPool, free_bytes, release
 from diffusion_plugin.step.prefix_cache import chunks, page_keys
 from diffusion_plugin.step.rows import Row, by_length
+from diffusion_plugin.step.staging import stage
 
 
 class FastPasses:
@@ -184,12 +185,17 @@ class FastPasses:
         finally:
             FAST.reset(token)
 
-    def vocab(self, rows: list[Row], hidden: torch.Tensor, steps_left: list[int]):
-        """(sampled, argmax, entropy, renoise, soft, tops, scores) for ``rows``."""
-        seeds, counters = counters_of(rows, self.adapter.device)
+    def step_numbers(self, rows: list[Row], steps_left: list[int]) -> dict:
+        """The numbers ``vocab`` reads, for the runner's one copy (``staging``): per row its seed,
+        its draws' counter and 1/temperature."""
+        return {**counters_of(rows),
+                "inv_t": (torch.float32, [1.0 / temperature(r.bp, s) for r, s in zip(rows, steps_left, strict=True)])}
+
+    def vocab(self, rows: list[Row], hidden: torch.Tensor, steps_left: list[int], numbers: dict[str, torch.Tensor]):
+        """(sampled, argmax, entropy, renoise, soft, tops, scores) for ``rows``, ``numbers`` their
+        ``step_numbers`` on the device."""
+        seeds, counters, inv_t = numbers["seeds"], numbers["counters"], numbers["inv_t"]
         V, C = self.adapter.vocab_size, self.adapter.canvas_length
-        inv_t = torch.tensor([1.0 / temperature(r.bp, s) for r, s in zip(rows, steps_left, strict=True)],
-                             dtype=torch.float32, device=hidden.device)
         uniform, renoise = self._draws(seeds, counters, C, V)
         k = self.chunk_rows
         ks = [r.bp.logprobs for r in rows]
@@ -208,9 +214,12 @@ class FastPasses:
         return (sampled, argmax, entropy, renoise, soft, [t for x in parts for t in x[4]],
                 [t for x in parts for t in x[5]])
 
-    def init_canvas(self, row: Row) -> torch.Tensor:
-        seeds, counters = counters_of([row], self.adapter.device)
-        return hash_draws(seeds, counters, self.adapter.canvas_length, INIT) % self.adapter.vocab_size
+    def init_canvases(self, rows: list[Row]) -> list[torch.Tensor]:
+        """The first canvas of each row's block, drawn for all the rows at once (a row's draws
+        depend on its seed and counter alone)."""
+        n = stage(self.adapter.device, **counters_of(rows))
+        canvases = hash_draws(n["seeds"], n["counters"], self.adapter.canvas_length, INIT) % self.adapter.vocab_size
+        return list(canvases.split(1))
 
     def warm(self) -> None:
         """Compiles what the family compiles (``compiled_vocab``) now, not in a request's step, and
@@ -239,10 +248,10 @@ class FastPasses:
                 instrument(wrap)
 
 
-def counters_of(rows: list[Row], device) -> tuple[torch.Tensor, torch.Tensor]:
-    seeds = torch.tensor([r.seq.params.seed for r in rows], dtype=torch.int64, device=device)
-    counters = torch.tensor([r.seq.block * 4096 + r.seq.step for r in rows], dtype=torch.int64, device=device)
-    return seeds, counters
+def counters_of(rows: list[Row]) -> dict:
+    """Each row's seed and the counter of its draws now (its block and step), for ``staging``."""
+    return {"seeds": (torch.int64, [r.seq.params.seed for r in rows]),
+            "counters": (torch.int64, [r.seq.block * 4096 + r.seq.step for r in rows])}
 
 
 def temperature(p, steps_left: int) -> float:

@@ -32,6 +32,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 from diffusion_plugin.batcher.memory import host_available_bytes
 from diffusion_plugin.step.attention import ATTN_BLOCK, FastSpec, PagedKV
 from diffusion_plugin.step.prefix_cache import PageCache
+from diffusion_plugin.step.staging import stage
 
 
 class KVPool:
@@ -146,7 +147,8 @@ class _Paged:
         """This sequence's positions [start, end) as (1, kv_heads, end - start, d) (a copy: the
         encoder's SDPA over its own history, as ``DynamicLayer.update``'s ``cat`` copies it)."""
         lo, hi = start // ATTN_BLOCK, -(-end // ATTN_BLOCK)
-        ids = torch.tensor(self.pages[lo - self.first_page:hi - self.first_page], device=self.pool.k[self.layer].device)
+        ids = stage(self.pool.k[self.layer].device,
+                    ids=(torch.long, self.pages[lo - self.first_page:hi - self.first_page]))["ids"]
         out = []
         for pool in (self.pool.k[self.layer], self.pool.v[self.layer]):
             blocks = pool.index_select(0, ids)  # (pages, h, ATTN_BLOCK, d)
@@ -265,17 +267,21 @@ class FastViews:
         return self._spec
 
     def _build(self, caches: list):
-        layers, empty = {}, []
-        for i, first in enumerate(caches[0].layers):
+        """Every layer's block table and ranges, onto the device in one copy (``staging``)."""
+        arrays = {}
+        for i in range(len(caches[0].layers)):
             rows = [c.layers[i] for c in caches]
-            device = first.pool.k[i].device
             width = max(len(r.pages) for r in rows)
             width = bucket_width(width) if self._bucket else width
-            table = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in rows], dtype=torch.long,
-                                 device=device)
-            ranges = torch.tensor([[r.first_page * ATTN_BLOCK, r.visible_from(r.length), r.length] for r in rows],
-                                  dtype=torch.long, device=device)
-            layers[i] = PagedKV(first.pool.k[i], first.pool.v[i], table, ranges[:, 0], ranges[:, 1], ranges[:, 2])
+            arrays[f"table{i}"] = (torch.long, [r.pages + [0] * (width - len(r.pages)) for r in rows])
+            arrays[f"ranges{i}"] = (torch.long, [[r.first_page * ATTN_BLOCK, r.visible_from(r.length), r.length]
+                                                 for r in rows])
+        staged = stage(caches[0].layers[0].pool.k[0].device, **arrays)
+        layers, empty = {}, []
+        for i, first in enumerate(caches[0].layers):
+            ranges = staged[f"ranges{i}"]
+            layers[i] = PagedKV(first.pool.k[i], first.pool.v[i], staged[f"table{i}"], ranges[:, 0], ranges[:, 1],
+                                ranges[:, 2])
             h, d = first.pool.k[i].shape[1], first.pool.k[i].shape[3]
             shape = (len(caches), h, 0, d)
             empty.append(LayerView(first.pool.k[i].new_zeros(shape), first.pool.v[i].new_zeros(shape)))

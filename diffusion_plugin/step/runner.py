@@ -30,6 +30,7 @@ from diffusion_plugin.step.draws import INIT, hash_draws
 from diffusion_plugin.step.exact_passes import ExactPasses
 from diffusion_plugin.step.fast_passes import FastPasses
 from diffusion_plugin.step.rows import Row
+from diffusion_plugin.step.staging import stage
 
 SAMPLERS = ("exact", "fast")
 
@@ -177,30 +178,45 @@ class Runner:
             row.version += 1
             row.pending = None
             self._plan(row)
-            row.canvas = self._init_canvas(row)
             row.soft, row.history = None, None
+        if encoding:
+            self._init_canvases(encoding)
         out = StepOutput()
         if batch.denoise:
             rows = [self.rows[s] for s in batch.denoise]
             reads, rest = [r for r in rows if r.plan.reads], [r for r in rows if not r.plan.reads]
+            steps_left = [r.bp.max_denoising_steps - r.seq.step for r in rest]
+            numbers = self._numbers(rest, steps_left) if rest else None
             t = time.perf_counter()  # the decoder forwards: the reads' narrow one, then the others'
-            read_hidden = self._trunk(reads, self._width(reads[0])) if reads else None
-            hidden = self._trunk(rest, self.adapter.canvas_length) if rest else None
+            read_hidden = self._trunk(reads, self._width(reads[0]), self._numbers(reads)) if reads else None
+            hidden = self._trunk(rest, self.adapter.canvas_length, numbers) if rest else None
             forward_s += time.perf_counter() - t
-            out.rows = (self._read(reads, read_hidden) if reads else []) + (self._decide(rest, hidden) if rest else [])
+            out.rows = ((self._read(reads, read_hidden) if reads else [])
+                        + (self._decide(rest, hidden, steps_left, numbers) if rest else []))
         out.forward_s = forward_s
         out.cached = self.cached
         out.step_s = time.perf_counter() - t0
         return out
 
     # -- 2. the trunk -----------------------------------------------------------------------
-    def _trunk(self, rows: list[Row], width: int) -> torch.Tensor:
+    def _numbers(self, rows: list[Row], steps_left: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """The numbers a group's step reads, onto the device in one copy that does not stall the
+        host (``staging``): its starts and, for rows whose vocabulary pass runs (``steps_left``),
+        their acceptance knobs (in the entropy's dtype, float32 in both samplers) and the passes'
+        own numbers (``step_numbers``)."""
+        arrays = {"starts": (torch.int32, [r.cur_len for r in rows])}
+        if steps_left is not None:
+            arrays |= {"bounds": (torch.float32, [[r.bp.entropy_bound] for r in rows]),
+                       "thresholds": (torch.float32, [r.bp.confidence_threshold for r in rows]),
+                       **self.passes.step_numbers(rows, steps_left)}
+        return stage(self.adapter.device, **arrays)
+
+    def _trunk(self, rows: list[Row], width: int, numbers: dict[str, torch.Tensor]) -> torch.Tensor:
         """The decoder over the rows' canvases, their first ``width`` positions (label reads: a
         narrow canvas of their own; every other row: the whole canvas)."""
         canvas = torch.cat([r.canvas if r.canvas.shape[1] == width else r.canvas[:, :width] for r in rows])
-        starts = torch.tensor([r.cur_len for r in rows], dtype=torch.int32, device=canvas.device)
-        positions = starts[:, None] + torch.arange(width, dtype=torch.int32, device=canvas.device)  # as HF's, there
-        return self.passes.trunk(rows, canvas, positions, self._soft(rows), width)
+        positions = numbers["starts"][:, None] + torch.arange(width, dtype=torch.int32, device=canvas.device)
+        return self.passes.trunk(rows, canvas, positions, self._soft(rows), width)  # (positions as HF's, int32)
 
     def _soft(self, rows: list[Row]) -> torch.Tensor | None:
         if all(r.soft is None for r in rows):
@@ -216,9 +232,9 @@ class Runner:
                           scores=self.adapter.read_scores(hidden[b:b + 1], list(r.plan.reads)))
                 for b, r in enumerate(rows)]
 
-    def _decide(self, rows: list[Row], hidden: torch.Tensor) -> list[RowOutput]:
-        steps_left = [r.bp.max_denoising_steps - r.seq.step for r in rows]
-        sampled, argmax, entropy, renoise, soft, tops, scores = self.passes.vocab(rows, hidden, steps_left)
+    def _decide(self, rows: list[Row], hidden: torch.Tensor, steps_left: list[int],
+                numbers: dict[str, torch.Tensor]) -> list[RowOutput]:
+        sampled, argmax, entropy, renoise, soft, tops, scores = self.passes.vocab(rows, hidden, steps_left, numbers)
         for b, r in enumerate(rows):  # pinned positions hold their tokens, with certainty
             if r.pins is not None:
                 pos = torch.tensor(r.pins.positions, dtype=torch.long, device=argmax.device)
@@ -227,10 +243,9 @@ class Runner:
                 sampled[b, pos] = tok.to(sampled.dtype)
                 entropy[b, pos] = 0.0
         canvas = torch.cat([r.canvas for r in rows])
-        bounds = torch.tensor([r.bp.entropy_bound for r in rows], dtype=entropy.dtype,
-                              device=entropy.device).unsqueeze(-1)
-        thresholds = torch.tensor([r.bp.confidence_threshold for r in rows], dtype=entropy.dtype,
-                                  device=entropy.device)
+        bounds, thresholds = numbers["bounds"], numbers["thresholds"]
+        if entropy.dtype != bounds.dtype:  # (compared in the entropy's dtype, as HF does)
+            raise TypeError(f"bug: the entropy is {entropy.dtype}, the staged bounds {bounds.dtype}")
         new_canvas, decisions = self.passes.accept(entropy, bounds, thresholds, sampled, renoise, canvas, argmax)
         decisions = decisions.tolist()  # one host transfer
         outputs = []
@@ -278,13 +293,19 @@ class Runner:
         """A row's canvas width: a label read's narrow canvas, else the model's."""
         return min(READ_CANVAS, self.adapter.canvas_length) if row.plan.reads else self.adapter.canvas_length
 
-    def _init_canvas(self, row: Row) -> torch.Tensor:
-        if row.plan.scoring:  # noise that depends on nothing but the position (same read for any seed)
-            seeds = torch.tensor([SCORE_SEED], dtype=torch.int64, device=self.adapter.device)
-            counters = torch.zeros(1, dtype=torch.int64, device=self.adapter.device)
-            canvas = hash_draws(seeds, counters, self._width(row), INIT) % self.adapter.vocab_size
-        else:
-            canvas = self.passes.init_canvas(row)
-        if row.plan.seed:
-            canvas[0, :len(row.plan.seed)] = torch.tensor(row.plan.seed, dtype=canvas.dtype, device=canvas.device)
-        return canvas
+    def _init_canvases(self, rows: list[Row]) -> None:
+        """Each row's first canvas of its block: a score block's noise depends on nothing but the
+        position (the same read for any seed), any other row's is its sampler's; a plan's seed
+        tokens are written over it. The host's numbers go in one copy (``staging``)."""
+        plain = [r for r in rows if not r.plan.scoring]
+        for row, canvas in zip(plain, self.passes.init_canvases(plain) if plain else (), strict=True):
+            row.canvas = canvas
+        seeded = [r for r in rows if r.plan.seed]
+        if len(plain) == len(rows) and not seeded:
+            return
+        n = stage(self.adapter.device, score=(torch.int64, [SCORE_SEED, 0]),
+                  **{f"seed{i}": (torch.int64, list(r.plan.seed)) for i, r in enumerate(seeded)})
+        for row in (r for r in rows if r.plan.scoring):
+            row.canvas = hash_draws(n["score"][:1], n["score"][1:], self._width(row), INIT) % self.adapter.vocab_size
+        for i, row in enumerate(seeded):
+            row.canvas[0, :len(row.plan.seed)] = n[f"seed{i}"].to(row.canvas.dtype)

@@ -8,7 +8,8 @@
 - the fast mode's grouped experts (torch._grouped_mm) are batch-invariant on the device too;
 - the compiled trunk under CUDA graphs (``engine_args.cuda_graphs``) replays the compiled step bit
   for bit, and launches at most 60 kernels a layer; the step's device form (``compiled_vocab`` too)
-  is batch-invariant and launches at most 60 a layer for the whole step (issue 36).
+  is batch-invariant and launches at most 60 a layer for the whole step, and a fast step's host
+  waits for the device once, at its end (issue 36).
 Run on a lent device: ``python -m pytest tests/gpu -q -rs -s`` (prints the memory figures).
 """
 
@@ -134,7 +135,43 @@ def test_the_device_form_launches_at_most_60_a_layer_on_gpu(adapter, rows):
     result = count_step(adapter, rows, "fast", device_form=True)
     print(f"\nwhole step, device form, on {DEVICE}, {rows} row(s): {result['ops']} ({result['per_layer']} a layer); "
           f"parts {result['parts']}")
-    assert result["per_layer"] <= 60 and not result["syncs"], result
+    assert result["per_layer"] <= 60 and not result["syncs"] and not result["host_tensors"], result
+
+
+@pytest.mark.parametrize("form", ["eager", "device"])
+def test_a_fast_step_waits_for_the_device_once_on_gpu(adapter, form):
+    """The host waits for the device once a step, at its end (the decisions' one transfer; a
+    commit alone: never): in a denoise-only step and in the steps around a block's commit,
+    counted by CUDA's sync debug mode. A copy made with ``torch.tensor(..., device=cuda)`` between the step's kernels (which
+    waits for the stream) fails it; the step's numbers go through ``staging``."""
+    import warnings
+
+    from tandem_tools.step_driver import Steps
+
+    device_form = form == "device"
+    drive = Steps(adapter, 2, "fast", compiled=device_form, compiled_trunk=device_form,
+                  chunk_rows=DEVICE_CHUNK_ROWS if device_form else 1, batched_vocab=device_form or None,
+                  max_tokens=2 * adapter.canvas_length)
+    waits, steps = [], 0
+    while drive.sched.has_work() and steps < 200:
+        batch, _ = drive.sched.schedule()
+        if batch.empty():
+            continue
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                drive.run(batch)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        steps += 1
+        if not batch.admit:  # (an admission copies its prompt's ids before the step's first kernel)
+            kind = ("commit+" if batch.encode else "") + ("denoise" if batch.denoise else "")
+            waits.append((kind, sum("synchronizing" in str(w.message) for w in seen)))
+    print(f"\nfast, {form} form: (step, host waits) {sorted(set(waits))} over {len(waits)} steps")
+    assert {kind for kind, _ in waits} >= {"denoise", "commit+denoise"}, waits
+    assert all(n == int(kind.endswith("denoise")) for kind, n in waits), sorted(set(waits))
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -150,7 +187,7 @@ def test_the_compiled_trunk_launches_at_most_60_kernels_a_layer_on_gpu(adapter, 
     print(f"\ncompiled trunk on {DEVICE}, {rows} row(s): {launches} = {per_layer:.1f} a layer; whole step "
           f"{result['ops']} ({result['per_layer']} a layer)")
     assert launches["kernels"] > 0 and per_layer <= 60, result
-    assert not result["syncs"], result
+    assert not result["syncs"] and not result["host_tensors"], result
 
 
 @pytest.mark.parametrize("sampler", ["exact", "fast"])

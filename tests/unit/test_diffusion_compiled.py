@@ -129,7 +129,7 @@ def test_the_device_form_step_takes_at_most_60_a_layer_whatever_the_rows(adapter
 
     one, four = (count_step(adapter, rows, "fast", device_form=True) for rows in (1, 4))
     for result in (one, four):
-        assert result["per_layer"] <= 60 and not result["syncs"], result
+        assert result["per_layer"] <= 60 and not result["syncs"] and not result["host_tensors"], result
         assert set(result["parts"]) == {"trunk", "vocab", "draws", "accept"}, result["parts"]
         assert all(c["kernels"] > 0 for calls in result["parts"].values() for c in calls), result["parts"]
     # (a lone row's trunk graph is not the several rows' one: a kernel or two apart, either way)
