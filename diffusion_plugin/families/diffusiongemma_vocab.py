@@ -32,6 +32,7 @@ from diffusion_plugin.families.diffusiongemma_batched import Batched, exponents,
 from diffusion_plugin.families.diffusiongemma_blocked import Blocked
 from diffusion_plugin.step import filters
 from diffusion_plugin.step.attention import MIN_EXPONENT, TINY_EXP
+from diffusion_plugin.step.staging import stage
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +109,8 @@ def pin_scores(x: torch.Tensor, log_total: torch.Tensor, pins: Pins) -> list[Sco
     (a few positions at a time: no canvas x vocab copy)."""
     out = []
     for s in range(0, len(pins.positions), 32):
-        pos = torch.tensor(pins.positions[s:s + 32], dtype=torch.long, device=x.device)
-        tok = torch.tensor(pins.tokens[s:s + 32], dtype=torch.long, device=x.device)
+        n = stage(x.device, pos=(torch.long, pins.positions[s:s + 32]), tok=(torch.long, pins.tokens[s:s + 32]))
+        pos, tok = n["pos"], n["tok"]
         xs = x.index_select(0, pos)
         chosen = xs.gather(-1, tok[:, None])
         rank = (xs > chosen).sum(-1) + 1

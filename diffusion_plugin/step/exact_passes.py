@@ -54,8 +54,9 @@ class ExactPasses:
     def step_numbers(self, rows: list[Row], steps_left: list[int]) -> dict:
         return {}  # (the generators and HF's own tensors: nothing staged)
 
-    def vocab(self, rows: list[Row], hidden: torch.Tensor, steps_left: list[int], numbers: dict | None = None):
-        """(sampled, argmax, entropy, renoise, soft, tops, scores) for ``rows``, row by row."""
+    def vocab(self, rows: list[Row], hidden: torch.Tensor, steps_left: list[int], numbers: dict):
+        """(sampled, argmax, entropy, renoise, soft, tops, scores) for ``rows``, row by row (``numbers``:
+        the runner's staged numbers; this sampler reads none, its rows' generators are HF's)."""
         parts = [self.adapter.vocab_exact(hidden[b:b + 1], r.bp, steps_left[b], r.generator, len(r.seq.output_ids),
                                           r.pins, None if r.constrained is None else r.grammar)
                  for b, r in enumerate(rows)]

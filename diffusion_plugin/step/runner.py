@@ -186,10 +186,10 @@ class Runner:
             rows = [self.rows[s] for s in batch.denoise]
             reads, rest = [r for r in rows if r.plan.reads], [r for r in rows if not r.plan.reads]
             steps_left = [r.bp.max_denoising_steps - r.seq.step for r in rest]
-            numbers = self._numbers(rest, steps_left) if rest else None
+            numbers = self._numbers(reads, rest, steps_left)
             t = time.perf_counter()  # the decoder forwards: the reads' narrow one, then the others'
-            read_hidden = self._trunk(reads, self._width(reads[0]), self._numbers(reads)) if reads else None
-            hidden = self._trunk(rest, self.adapter.canvas_length, numbers) if rest else None
+            read_hidden = self._trunk(reads, self._width(reads[0]), numbers["read_starts"]) if reads else None
+            hidden = self._trunk(rest, self.adapter.canvas_length, numbers["starts"]) if rest else None
             forward_s += time.perf_counter() - t
             out.rows = ((self._read(reads, read_hidden) if reads else [])
                         + (self._decide(rest, hidden, steps_left, numbers) if rest else []))
@@ -199,23 +199,30 @@ class Runner:
         return out
 
     # -- 2. the trunk -----------------------------------------------------------------------
-    def _numbers(self, rows: list[Row], steps_left: list[int] | None = None) -> dict[str, torch.Tensor]:
-        """The numbers a group's step reads, onto the device in one copy that does not stall the
-        host (``staging``): its starts and, for rows whose vocabulary pass runs (``steps_left``),
-        their acceptance knobs (in the entropy's dtype, float32 in both samplers) and the passes'
-        own numbers (``step_numbers``)."""
-        arrays = {"starts": (torch.int32, [r.cur_len for r in rows])}
-        if steps_left is not None:
-            arrays |= {"bounds": (torch.float32, [[r.bp.entropy_bound] for r in rows]),
-                       "thresholds": (torch.float32, [r.bp.confidence_threshold for r in rows]),
-                       **self.passes.step_numbers(rows, steps_left)}
+    def _numbers(self, reads: list[Row], rest: list[Row], steps_left: list[int]) -> dict[str, torch.Tensor]:
+        """The numbers a step reads, onto the device in one copy that does not stall the host
+        (``staging``): the label reads' starts; the other rows' starts, acceptance knobs (in the
+        entropy's dtype, float32 in both samplers), pinned positions (``pin_rows``,
+        ``pin_positions``, ``pin_tokens``: every row's at once) and the passes' own numbers
+        (``step_numbers``)."""
+        arrays = {"read_starts": (torch.int32, [r.cur_len for r in reads])} if reads else {}
+        if rest:
+            arrays |= {"starts": (torch.int32, [r.cur_len for r in rest]),
+                       "bounds": (torch.float32, [[r.bp.entropy_bound] for r in rest]),
+                       "thresholds": (torch.float32, [r.bp.confidence_threshold for r in rest]),
+                       **self.passes.step_numbers(rest, steps_left)}
+            pinned = [(b, r.pins) for b, r in enumerate(rest) if r.pins is not None and r.pins.positions]
+            if pinned:
+                arrays |= {"pin_rows": (torch.int64, [b for b, p in pinned for _ in p.positions]),
+                           "pin_positions": (torch.int64, [j for _, p in pinned for j in p.positions]),
+                           "pin_tokens": (torch.int64, [t for _, p in pinned for t in p.tokens])}
         return stage(self.adapter.device, **arrays)
 
-    def _trunk(self, rows: list[Row], width: int, numbers: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _trunk(self, rows: list[Row], width: int, starts: torch.Tensor) -> torch.Tensor:
         """The decoder over the rows' canvases, their first ``width`` positions (label reads: a
-        narrow canvas of their own; every other row: the whole canvas)."""
+        narrow canvas of their own; every other row: the whole canvas), from ``starts``."""
         canvas = torch.cat([r.canvas if r.canvas.shape[1] == width else r.canvas[:, :width] for r in rows])
-        positions = numbers["starts"][:, None] + torch.arange(width, dtype=torch.int32, device=canvas.device)
+        positions = starts[:, None] + torch.arange(width, dtype=torch.int32, device=canvas.device)
         return self.passes.trunk(rows, canvas, positions, self._soft(rows), width)  # (positions as HF's, int32)
 
     def _soft(self, rows: list[Row]) -> torch.Tensor | None:
@@ -235,13 +242,11 @@ class Runner:
     def _decide(self, rows: list[Row], hidden: torch.Tensor, steps_left: list[int],
                 numbers: dict[str, torch.Tensor]) -> list[RowOutput]:
         sampled, argmax, entropy, renoise, soft, tops, scores = self.passes.vocab(rows, hidden, steps_left, numbers)
-        for b, r in enumerate(rows):  # pinned positions hold their tokens, with certainty
-            if r.pins is not None:
-                pos = torch.tensor(r.pins.positions, dtype=torch.long, device=argmax.device)
-                tok = torch.tensor(r.pins.tokens, dtype=argmax.dtype, device=argmax.device)
-                argmax[b, pos] = tok
-                sampled[b, pos] = tok.to(sampled.dtype)
-                entropy[b, pos] = 0.0
+        if "pin_rows" in numbers:  # pinned positions hold their tokens, with certainty (all rows' at once)
+            at, tokens = (numbers["pin_rows"], numbers["pin_positions"]), numbers["pin_tokens"]
+            argmax[at] = tokens.to(argmax.dtype)
+            sampled[at] = tokens.to(sampled.dtype)
+            entropy.index_put_(at, entropy.new_zeros(()))  # (a device zero: 0.0 would be a tensor from the host)
         canvas = torch.cat([r.canvas for r in rows])
         bounds, thresholds = numbers["bounds"], numbers["thresholds"]
         if entropy.dtype != bounds.dtype:  # (compared in the entropy's dtype, as HF does)

@@ -87,3 +87,58 @@ def test_a_fast_step_makes_no_tensor_from_host_numbers_after_its_admissions(comp
         kinds |= {"denoise"} if batch.denoise else set()
     assert not drive.sched.has_work(), f"still running after {steps} steps"
     assert kinds == {"admit", "commit", "denoise"}, kinds
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "device-form"])
+def test_label_reads_and_pinned_rows_share_the_steps_one_copy(compiled, monkeypatch):
+    """A step with a label read (its own narrow canvas) beside generating rows, one of them with a
+    seed canvas, pinned positions and logprobs: the step's numbers (both groups' starts, the pins
+    of every row) still come from one ``stage`` call and no tensor is made from Python numbers;
+    and the pinned positions hold their seed tokens in what the row commits."""
+    from dataclasses import replace
+
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from diffusion_plugin.step import runner as runner_module
+
+    torch.set_num_threads(1)
+    adapter = DiffusionGemmaAdapter(str(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA)))
+    drive = Steps(adapter, 3, "fast", compiled=compiled, compiled_trunk=compiled, batched_vocab=compiled or None,
+                  max_tokens=2 * adapter.canvas_length, prompt_len=20, grow=40)
+    pinned = drive.seqs["s1"]
+    pinned.params = replace(pinned.params, seed_canvas=(5, 6, 7), pinned=(0, 2), logprobs=2)
+    reader = drive.seqs["s2"]
+    reader.params = replace(reader.params, max_tokens=0, max_denoising_steps=1)
+    reader.read_ids = (10, 11, 12)
+    admit, calls = drive.runner.admit, []
+
+    def uncounted_admit(seq):
+        with _disable_current_modes():
+            admit(seq)
+
+    def counted_stage(device, **arrays):
+        calls.append(sorted(arrays))
+        return stage(device, **arrays)
+
+    monkeypatch.setattr(drive.runner, "admit", uncounted_admit)
+    monkeypatch.setattr(runner_module, "stage", counted_stage)
+    mixed = steps = 0
+    while drive.sched.has_work() and steps < 400:
+        batch, _ = drive.sched.schedule()
+        if batch.empty():
+            continue
+        counter, calls[:] = _Made(), []
+        with torch.inference_mode(), counter:
+            drive.run(batch)
+        steps += 1
+        assert counter.made == 0, (steps, batch, counter.made)
+        if batch.denoise:
+            numbers = [c for c in calls if "starts" in c or "read_starts" in c]
+            assert len(numbers) == 1, (steps, calls)  # one copy a step, whatever its groups
+            if "s2" in batch.denoise and len(batch.denoise) > 1:
+                mixed += 1
+                assert {"read_starts", "starts", "pin_rows", "pin_positions", "pin_tokens"} <= set(numbers[0])
+    assert not drive.sched.has_work(), f"still running after {steps} steps"
+    assert mixed == 1, mixed  # the read's one step, beside both generating rows
+    assert len(reader.scores) == 3  # one score a read token
+    assert pinned.output_ids[0] == 5 and pinned.output_ids[2] == 7
