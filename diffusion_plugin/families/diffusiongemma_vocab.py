@@ -108,9 +108,11 @@ def pin_scores(x: torch.Tensor, log_total: torch.Tensor, pins: Pins) -> list[Sco
     """Each pinned position's ``Score``: its token's log-softmax, rank and the top ``pins.k``
     (a few positions at a time: no canvas x vocab copy)."""
     out = []
+    if not pins.positions:
+        return out
+    staged = stage(x.device, pos=(torch.long, pins.positions), tok=(torch.long, pins.tokens))  # (one copy)
     for s in range(0, len(pins.positions), 32):
-        n = stage(x.device, pos=(torch.long, pins.positions[s:s + 32]), tok=(torch.long, pins.tokens[s:s + 32]))
-        pos, tok = n["pos"], n["tok"]
+        pos, tok = staged["pos"][s:s + 32], staged["tok"][s:s + 32]
         xs = x.index_select(0, pos)
         chosen = xs.gather(-1, tok[:, None])
         rank = (xs > chosen).sum(-1) + 1

@@ -211,7 +211,7 @@ class Runner:
                        "bounds": (torch.float32, [[r.bp.entropy_bound] for r in rest]),
                        "thresholds": (torch.float32, [r.bp.confidence_threshold for r in rest]),
                        **self.passes.step_numbers(rest, steps_left)}
-            pinned = [(b, r.pins) for b, r in enumerate(rest) if r.pins is not None and r.pins.positions]
+            pinned = [(b, r.pins) for b, r in enumerate(rest) if r.pins is not None]  # (``_plan``: never empty)
             if pinned:
                 arrays |= {"pin_rows": (torch.int64, [b for b, p in pinned for _ in p.positions]),
                            "pin_positions": (torch.int64, [j for _, p in pinned for j in p.positions]),

@@ -53,18 +53,15 @@ class _Made(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "device-form"])
-def test_a_fast_step_makes_no_tensor_from_host_numbers_after_its_admissions(compiled, monkeypatch):
-    """Every step of two rows (prompts of one and two KV pages) through three blocks (prefills,
-    denoise steps, commits with their next canvases): outside the admissions (a prompt's ids,
-    its new cache: before the step's first kernel) no tensor is made from Python numbers; what
-    the step reads arrives through ``stage``. (Before staging: six a denoise step.)"""
+def _drive(compiled: bool, monkeypatch, rows: int, blocks: int, grow: int) -> Steps:
+    """``rows`` fast rows of ``blocks`` blocks on the tiny model (eager, or the device form), their
+    admissions (a prompt's ids, its new cache: before the step's first kernel) left out of any count."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     torch.set_num_threads(1)
     adapter = DiffusionGemmaAdapter(str(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA)))
-    drive = Steps(adapter, 2, "fast", compiled=compiled, compiled_trunk=compiled, batched_vocab=compiled or None,
-                  max_tokens=3 * adapter.canvas_length, prompt_len=20, grow=70)
+    drive = Steps(adapter, rows, "fast", compiled=compiled, compiled_trunk=compiled,
+                  batched_vocab=compiled or None, max_tokens=blocks * adapter.canvas_length, prompt_len=20, grow=grow)
     admit = drive.runner.admit
 
     def uncounted_admit(seq):
@@ -72,6 +69,16 @@ def test_a_fast_step_makes_no_tensor_from_host_numbers_after_its_admissions(comp
             admit(seq)
 
     monkeypatch.setattr(drive.runner, "admit", uncounted_admit)
+    return drive
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "device-form"])
+def test_a_fast_step_makes_no_tensor_from_host_numbers_after_its_admissions(compiled, monkeypatch):
+    """Every step of two rows (prompts of one and two KV pages) through three blocks (prefills,
+    denoise steps, commits with their next canvases): outside the admissions (a prompt's ids,
+    its new cache: before the step's first kernel) no tensor is made from Python numbers; what
+    the step reads arrives through ``stage``. (Before staging: six a denoise step.)"""
+    drive = _drive(compiled, monkeypatch, 2, blocks=3, grow=70)
     kinds, steps = set(), 0
     while drive.sched.has_work() and steps < 400:
         batch, _ = drive.sched.schedule()
@@ -97,30 +104,20 @@ def test_label_reads_and_pinned_rows_share_the_steps_one_copy(compiled, monkeypa
     and the pinned positions hold their seed tokens in what the row commits."""
     from dataclasses import replace
 
-    from torch.utils._python_dispatch import _disable_current_modes
-
     from diffusion_plugin.step import runner as runner_module
 
-    torch.set_num_threads(1)
-    adapter = DiffusionGemmaAdapter(str(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA)))
-    drive = Steps(adapter, 3, "fast", compiled=compiled, compiled_trunk=compiled, batched_vocab=compiled or None,
-                  max_tokens=2 * adapter.canvas_length, prompt_len=20, grow=40)
+    drive = _drive(compiled, monkeypatch, 3, blocks=2, grow=40)
     pinned = drive.seqs["s1"]
     pinned.params = replace(pinned.params, seed_canvas=(5, 6, 7), pinned=(0, 2), logprobs=2)
     reader = drive.seqs["s2"]
     reader.params = replace(reader.params, max_tokens=0, max_denoising_steps=1)
     reader.read_ids = (10, 11, 12)
-    admit, calls = drive.runner.admit, []
-
-    def uncounted_admit(seq):
-        with _disable_current_modes():
-            admit(seq)
+    calls = []
 
     def counted_stage(device, **arrays):
         calls.append(sorted(arrays))
         return stage(device, **arrays)
 
-    monkeypatch.setattr(drive.runner, "admit", uncounted_admit)
     monkeypatch.setattr(runner_module, "stage", counted_stage)
     mixed = steps = 0
     while drive.sched.has_work() and steps < 400:
