@@ -212,7 +212,7 @@ class DiffusionEngine:
                     rest = text.flush()
                     yield End(i, rest.text, text.finish_reason(ev.seq.status),
                               _shifted(rest.entries, shift[i]) if sreq.params.logprobs is not None else None, rest.ids,
-                              text.num_tokens)
+                              text.num_tokens, text.stop_string)
             cached = None
             if getattr(self.loop.runner, "prefix_cache", False):  # each prompt's, once (its choices share it)
                 cached = sum(max(s.cached_tokens for s in seqs[p * output.n:(p + 1) * output.n])
@@ -235,11 +235,26 @@ class DiffusionEngine:
             if not ids:
                 self._requests.pop(request_id, None)
 
-    # -- the Responses API, tokenize, detokenize ------------------------------------------------
+    # -- the Responses and Messages APIs, tokenize, detokenize ------------------------------------------------
     def responses(self, body: dict, request_id: str) -> AsyncIterator[Item]:
         from diffusion_plugin.api.responses import serve_responses
 
         return serve_responses(self, body, request_id)
+
+    def messages(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        """Anthropic's Messages API: vLLM's conversions around ``chat`` (``api/messages.py``)."""
+        from diffusion_plugin.api.messages import serve_messages
+
+        return serve_messages(self, body, request_id)
+
+    async def messages_count_tokens(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        from diffusion_plugin.api.messages import count_tokens
+
+        try:
+            out = await count_tokens(self, body)
+        except TandemError as e:
+            out = e
+        yield out
 
     def decisions(self, body: dict, request_id: str) -> AsyncIterator[Item]:
         return serve_decisions(self, body, request_id, "decisions")

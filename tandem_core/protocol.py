@@ -60,14 +60,15 @@ ROUTE_TABLE: tuple[RouteSpec, ...] = (
               doc="Text completion (OpenAI's API): streamed as server-sent events with `stream: true`."),
     RouteSpec("responses", "POST", "/v1/responses", engine=True, generates=True, timed=True,
               doc="Create a response (OpenAI's Responses API): streamed as named server-sent events with "
-                  "`stream: true`. Autoregressive models."),
+                  "`stream: true`. Both model kinds."),
     RouteSpec("responses_retrieve", "GET", "/v1/responses/{response_id}", engine=True,
               doc="A stored response (the replica that created it serves it; vLLM stores responses only when "
                   "its replica runs with `VLLM_ENABLE_RESPONSES_API_STORE=1`)."),
     RouteSpec("responses_cancel", "POST", "/v1/responses/{response_id}/cancel", engine=True,
               doc="Cancel a background response (on the replica that created it)."),
     RouteSpec("messages", "POST", "/v1/messages", engine=True, generates=True, timed=True,
-              doc="Anthropic's Messages API (errors in Anthropic's shape). Autoregressive models."),
+              doc="Anthropic's Messages API (errors in Anthropic's shape). Both model kinds: vLLM's conversion "
+                  "around the chat route."),
     RouteSpec("messages_count_tokens", "POST", "/v1/messages/count_tokens", engine=True,
               doc="Anthropic's token count of a Messages request."),
     RouteSpec("decisions", "POST", "/v1/decisions", engine=True, timed=True, priority=True,

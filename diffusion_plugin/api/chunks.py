@@ -54,7 +54,8 @@ class Delta:
 @dataclass
 class End:
     """A choice ended: its last text and logprob entries (held back until now), its finish_reason
-    (and, raw mode, the ids of that text)."""
+    (and, raw mode, the ids of that text), and vLLM's ``stop_reason``: the stop string that ended
+    it, else None."""
 
     index: int
     text: str
@@ -62,6 +63,7 @@ class End:
     entries: list | None = None
     ids: list | None = None
     tokens: int = 0  # the choice's output tokens (continuous usage)
+    stop_reason: str | None = None
 
 
 @dataclass
@@ -118,6 +120,7 @@ class ChoiceText:
         self.sent = 0
         self.fed = 0  # raw mode: the tokens released
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the choice (vLLM's stop_reason)
         self.offsets = TextOffsets(tokenizer)
         self.held: list[Entry] = []  # logprob entries of tokens whose text is held back
 
@@ -139,6 +142,7 @@ class ChoiceText:
             if at != -1:
                 self.text = self.text[:at + len(stop) if self.include_stop else at]
                 self.stopped = True
+                self.stop_string = stop  # the last one found cut earliest: the one that ended the text
         # Hold back a trailing incomplete UTF-8 sequence until the next block completes it, and
         # a tail that may be the start of a stop string the next block completes (sent text
         # cannot be taken back); ``flush`` sends what is held when the sequence ends.
@@ -231,6 +235,7 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
     ids: list[list[int]] = [[] for _ in range(n)]
     entries: list[list] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
+    stop_reasons: list[str | None] = [None] * n  # vLLM's stop_reason: the stop string that ended a choice
     prompt_lps: list = [None] * n
     usage = None
 
@@ -285,11 +290,13 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
                         yield chunk(ev.index, delta, logprobs=lp)
             elif isinstance(ev, End):
                 keep(ev)
+                stop_reasons[ev.index] = ev.stop_reason
                 if stream:
                     lp = None if not ev.entries else logprobs_object(tokenizer, ev.entries, k, chat)
                     delta = content(ev)
                     finish[ev.index] = finish_reason(ev.index, ev.finish_reason)
-                    yield chunk(ev.index, delta, finish=finish[ev.index], logprobs=lp)
+                    yield chunk(ev.index, delta, finish=finish[ev.index], logprobs=lp,
+                                extra={"stop_reason": ev.stop_reason})
                 else:
                     finish[ev.index] = ev.finish_reason
             else:
@@ -326,7 +333,8 @@ async def openai_items(events: AsyncGenerator[Event, None], *, chat: bool, reque
         else:
             out = {"message": {"role": "assistant", "content": texts[i]}} if chat else {"text": texts[i]}
         lp = None if k is None else logprobs_object(tokenizer, entries[i], k, chat)
-        choices.append({"index": i, **out, "logprobs": lp, "finish_reason": finish_reason(i, finish[i])})
+        choices.append({"index": i, **out, "logprobs": lp, "finish_reason": finish_reason(i, finish[i]),
+                        "stop_reason": stop_reasons[i]})
         if prompt_lps[i] is not None and not chat:  # vLLM's: per choice on completions
             choices[-1]["prompt_logprobs"] = prompt_lps[i]
     answer = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,

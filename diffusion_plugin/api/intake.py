@@ -92,7 +92,7 @@ class Intake:
     # -- the generation routes --------------------------------------------------------------
     async def chat(self, req: P.ChatBody) -> SeqRequest:
         return await self._prepare(req, req.messages, "messages", "max_tokens", req.output_limit(), req.n,
-                                   req.stops(), req.top_logprobs_k(), req.tools, req.chat_template_kwargs)
+                                   req.stops(), req.top_logprobs_k(), req.tools, req.template_kwargs())
 
     async def completion(self, req: P.CompletionBody) -> SeqRequest:
         return await self._prepare(req, None, "prompt", "max_tokens", req.output_limit(), req.n, req.stops(),
@@ -107,15 +107,9 @@ class Intake:
                        template_kwargs: dict | None = None) -> SeqRequest:
         images, more = None, []
         if messages is not None:
-            messages, images = await self.images(messages)
-            prompt_ids = self.prompt_ids(messages, None, tools, template_kwargs)
+            prompt_ids, images = await self.chat_prompt(messages, tools, template_kwargs)
         else:
             prompt_ids, *more = self._completion_prompts(req.prompt)
-        if images is not None:
-            try:
-                prompt_ids = self.adapter.expand_image_tokens(prompt_ids, images.num_soft_tokens)
-            except ValueError as e:
-                raise invalid(f"messages: {e}", "messages") from None
         knobs = P.resolve(req, self.adapter.defaults())
         max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         ignore_eos = getattr(req, "ignore_eos", False)
@@ -198,6 +192,19 @@ class Intake:
         if bad is not None:
             raise invalid(f"{where}: token id {bad} is out of vocabulary (size {vocab})", param=param)
         return list(ids)
+
+    async def chat_prompt(self, messages: list, tools: list | None = None,
+                          template_kwargs: dict | None = None) -> tuple[list[int], object | None]:
+        """A chat prompt's token ids, each image's placeholder expanded to its soft tokens, and the
+        request's encoded images (None: none): what a chat request is billed for."""
+        messages, images = await self.images(messages)
+        prompt_ids = self.prompt_ids(messages, None, tools, template_kwargs)
+        if images is not None:
+            try:
+                prompt_ids = self.adapter.expand_image_tokens(prompt_ids, images.num_soft_tokens)
+            except ValueError as e:
+                raise invalid(f"messages: {e}", "messages") from None
+        return prompt_ids, images
 
     def prompt_ids(self, messages: list | None, prompt: str | None, tools: list | None = None,
                    template_kwargs: dict | None = None) -> list[int]:

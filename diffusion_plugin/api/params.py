@@ -31,7 +31,10 @@ Honoured (chat, completions; Responses in ``diffusion_plugin.api.responses``):
   template, the output parsed into ``tool_calls`` by vLLM's parser) with the model's tool parser
   (``engine_args.tool_call_parser``), else a 400 as on ``vllm serve``; the reasoning parser's
   ``reasoning`` (``engine_args.reasoning_parser``; ``diffusion_plugin.api.parsing``), vLLM's
-  ``include_reasoning`` and ``chat_template_kwargs`` (e.g. ``enable_thinking``);
+  ``include_reasoning`` and ``chat_template_kwargs`` (e.g. ``enable_thinking``), and
+  ``reasoning_effort`` as vLLM 0.32 means it on chat: given to the chat template, and it switches
+  thinking on (``enable_thinking``: any effort but ``"none"``) unless ``chat_template_kwargs`` sets
+  ``enable_thinking`` (``ChatBody.template_kwargs``);
 - vLLM's sampling fields ``top_k``, ``top_p``, ``min_p``, ``allowed_token_ids``, ``logit_bias`` and ``min_tokens``
   (``diffusion_plugin.step.filters`` says what each does to a denoise step), with vLLM's checks and
   words (``_Base.check``);
@@ -47,7 +50,8 @@ Refused (400, ``param`` = the field) unless given its neutral value (or null):
 ``frequency_penalty`` / ``presence_penalty`` (0), ``repetition_penalty`` (1) (vLLM's native
 DiffusionGemma ignores penalties with a warning: refused here, never silently ignored),
 ``best_of`` (1), ``suffix`` (""), ``functions`` ([]), ``function_call`` ("none"), ``store`` (false),
-``prediction``, ``audio``, ``modalities`` (["text"]), ``reasoning_effort``, ``web_search_options``;
+``prediction``, ``audio``, ``modalities`` (["text"]), ``reasoning_effort`` (completions),
+``web_search_options``;
 and any other field (``stream_options`` keys other than vLLM's two included).
 
 Determinism: ``temperature: 0`` without a ``seed`` uses seed ``GREEDY_SEED`` (0), so the same
@@ -60,7 +64,7 @@ must be 1 at ``temperature`` 0 (greedy sampling).
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
@@ -83,6 +87,16 @@ NEUTRAL: dict[str, tuple] = {
     "service_tier": ("auto",), "modalities": (["text"],), "prediction": (), "audio": (),
     "reasoning_effort": (), "web_search_options": (),
 }
+
+
+def template_kwargs(reasoning_effort: str | None, chat_template_kwargs: dict | None) -> dict[str, Any] | None:
+    """A chat request's template kwargs, as vLLM's ``ChatCompletionRequest.build_chat_params`` makes
+    them (the chat template and the parsers both read them): ``reasoning_effort`` goes to the
+    template and switches thinking (``enable_thinking``: any effort but ``"none"``) unless the
+    request's own ``chat_template_kwargs`` set it; theirs win."""
+    effort = {} if reasoning_effort is None else {"reasoning_effort": reasoning_effort,
+                                                  "enable_thinking": reasoning_effort != "none"}
+    return {**effort, **(chat_template_kwargs or {})} or None
 
 
 def refuse_unsupported(extra: dict[str, Any] | None, neutral: dict[str, tuple] | None = None) -> None:
@@ -285,6 +299,7 @@ class ChatBody(_Base):
     parallel_tool_calls: bool | None = None
     include_reasoning: bool = True  # vLLM's: false drops the parsed reasoning
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: to the chat template (enable_thinking...)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None  # vLLM's
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -297,6 +312,9 @@ class ChatBody(_Base):
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return template_kwargs(self.reasoning_effort, self.chat_template_kwargs)
 
     def top_logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -17,8 +17,9 @@ Responses request then holds one instance, as vLLM's serving layer does:
 ``tool_choice`` ``"required"`` and named functions do not come here: they are constrained to
 vLLM's tool-call JSON (``structured``). With ``tool_choice: "none"`` vLLM's parser makes no tool
 calls (a call the model writes anyway is dropped, as on ``vllm serve``); ``include_reasoning:
-false`` drops the reasoning. Completions are not parsed
-(as on vLLM).
+false`` drops the reasoning. The parsers read the template's kwargs as the chat template does
+(``params.template_kwargs``: ``reasoning_effort`` switches Gemma 4's thinking, as on vLLM). Completions
+are not parsed (``prepare.ROUTES``), as ``vllm serve`` parses none with the same flags.
 
 Imports vLLM when first used, in the replica, never in the gateway.
 """
@@ -59,10 +60,12 @@ class Parsers:
         """The parsing of a chat or Responses request (None: its text is answered as is)."""
         if self.cls is None:
             return None
+        from diffusion_plugin.api.params import template_kwargs
         from diffusion_plugin.api.structured import vllm_request
 
         request = vllm_request(body, route)
-        kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})
+        kwargs = template_kwargs(body.get("reasoning_effort") if route == "chat" else None,
+                                 getattr(request, "chat_template_kwargs", None)) or {}
         return Parsing(self.cls, request, self.tokenizer, list(prompt_ids), self.auto_tools, kwargs)
 
 

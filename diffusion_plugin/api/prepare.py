@@ -9,7 +9,9 @@ The steps, in order (each raises ``TandemError``, a 400 naming the field):
 3. the prompt and the effective knobs (``intake.Intake``: chat template, images, the context
    length and the memory budget);
 4. the rules across those parts (``_across``): what a grammar cannot be served with;
-5. the model's parsers (``parsing.Parsers``: tool calls for ``tool_choice`` "auto", reasoning).
+5. the model's parsers (``parsing.Parsers``: tool calls for ``tool_choice`` "auto", reasoning), on
+   the routes that carry what they parse (chat, Responses); completions are answered as the model
+   wrote them, as ``vllm serve`` answers them with the same parser flags.
 
 A ``Prepared`` is not changed afterwards: the engine builds its sequences from ``request`` and
 the route's writer (``chunks.openai_items``, ``responses.serve_responses``) reads ``body``,
@@ -37,18 +39,20 @@ from tandem_core.errors import invalid
 @dataclass(frozen=True)
 class Route:
     """One generation route's way in: its body model, the extra fields it accepts as neutral
-    (``params.refuse_unsupported``), and the intake call that makes its ``SeqRequest``."""
+    (``params.refuse_unsupported``), the intake call that makes its ``SeqRequest``, and whether
+    the model's parsers read its output (``parsed``: tools and reasoning exist on the route)."""
 
     body: type[BaseModel]
     neutral: dict[str, tuple] | None
     intake: Callable[[Intake, Any], Awaitable[SeqRequest]]
+    parsed: bool
 
 
 ROUTES: dict[str, Route] = {
-    "chat": Route(P.ChatBody, None, Intake.chat),
-    "completions": Route(P.CompletionBody, None, Intake.completion),
+    "chat": Route(P.ChatBody, None, Intake.chat, parsed=True),
+    "completions": Route(P.CompletionBody, None, Intake.completion, parsed=False),  # vLLM parses no completion
     "responses": Route(ResponsesBody, NEUTRAL,
-                       lambda intake, req: intake.responses(req, to_messages(req), chat_tools(req.tools))),
+                       lambda intake, req: intake.responses(req, to_messages(req), chat_tools(req.tools)), parsed=True),
 }
 
 
@@ -99,8 +103,9 @@ class Preparer:
 
     async def _parsing(self, body: dict, route: str, structured: Structured | None, sreq: SeqRequest):
         """The request's parsing by the model's parsers (``diffusion_plugin.api.parsing``), or None: none
-        configured, or the output is constrained tool calls (``tool_choice`` required or named)."""
-        if not self.parsers.configured or (structured is not None and structured.tool_mode):
+        configured, a route without tools or reasoning (completions), or the output is constrained
+        tool calls (``tool_choice`` required or named)."""
+        if not (self.parsers.configured and ROUTES[route].parsed) or (structured is not None and structured.tool_mode):
             return None
         with request_errors(body):
             return await asyncio.to_thread(self.parsers.for_request, body, route, sreq.prompt.ids)

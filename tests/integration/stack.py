@@ -92,11 +92,20 @@ def running_stack(config: dict, tmp: Path) -> Iterator[Stack]:
     """`tandem serve` on ``config`` (its gateway.port set), ready, until the block ends."""
     cfg_path = tmp / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
+    with serving(["--config", str(cfg_path)], config["gateway"]["port"], tmp, config) as s:
+        yield s
+
+
+@contextmanager
+def serving(args: list[str], port: int, tmp: Path, config: dict, env: dict | None = None) -> Iterator[Stack]:
+    """`tandem serve ARGS` from the repository root (as `make serve` runs it), listening on
+    ``port``, every model ready, until the block ends; ``config``: what it serves (the Stack's)."""
     log = tmp / "serve.log"
     # A new process group (not a new session): one signal reaches Ray and vLLM too.
-    proc = subprocess.Popen([sys.executable, "-m", "tandem_tools.cli", "serve", "--config", str(cfg_path)],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO, process_group=0)
-    s = Stack(f"http://127.0.0.1:{config['gateway']['port']}", log, config)
+    proc = subprocess.Popen([sys.executable, "-m", "tandem_tools.cli", "serve", *args],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO, process_group=0,
+                            env={**os.environ, **(env or {})})
+    s = Stack(f"http://127.0.0.1:{port}", log, config)
 
     def ready() -> bool:
         if proc.poll() is not None:

@@ -1,7 +1,7 @@
 """The routes `vllm serve` offers besides chat and completions, through the real stack (vLLM on
 tiny-llama in a Ray actor, the diffusion model beside it), with the official SDKs: OpenAI's
-Responses API, Anthropic's Messages API, /tokenize, /detokenize, /version; a route a model
-does not serve; temperature 0 without a seed; errors worded as vLLM words them."""
+Responses API, Anthropic's Messages API (on both model kinds), /tokenize, /detokenize, /version;
+temperature 0 without a seed; errors worded as vLLM words them."""
 
 import anthropic
 import httpx
@@ -168,18 +168,88 @@ def test_reset_prefix_cache_resets_vllms_and_the_batchers_caches(stack):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
-# -- a route the model does not serve ---------------------------------------------------------------
+# -- Anthropic's Messages API on the diffusion model (issue 49: it was a 400) -----------------------
+
+TOOL = {"name": "get_time", "description": "The time in a zone.", "input_schema": {
+    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET", "JST"]}}, "required": ["tz"],
+    "additionalProperties": False}}
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/messages", {"max_tokens": 4, "messages": MSGS}),
-    ("/v1/messages/count_tokens", {"messages": MSGS}),
-])
-def test_diffusion_model_refuses_a_route_it_does_not_serve(stack, path, body):
-    r = _post(stack, path, {"model": DIFFUSION, **body})
-    assert r.status_code == 400
-    message = r.json()["error"]["message"]
-    assert f"POST {path} is not served by model '{DIFFUSION}'" in message
+def _text(m) -> str:
+    return "".join(b.text for b in m.content if b.type == "text")
+
+
+def test_diffusion_messages_streamed_equals_not_streamed_at_temperature_0(stack):
+    client = _anthropic(stack)
+    full = client.messages.create(model=DIFFUSION, max_tokens=12, messages=MSGS, extra_body={"temperature": 0})
+    assert full.type == "message" and full.model == DIFFUSION and full.content[0].type == "text"
+    assert full.stop_reason in ("end_turn", "max_tokens") and 0 < full.usage.output_tokens <= 12
+    with client.messages.stream(model=DIFFUSION, max_tokens=12, messages=MSGS, extra_body={"temperature": 0}) as stream:
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert "".join(pieces) == _text(full) == _text(final)
+    assert (final.stop_reason, final.usage.input_tokens, final.usage.output_tokens) == \
+        (full.stop_reason, full.usage.input_tokens, full.usage.output_tokens)
+
+
+def test_diffusion_messages_stop_sequences_end_and_name_the_match(stack):
+    from tests.texts import first_with_a_stop_string
+
+    client = _anthropic(stack)
+    i, text, stop = first_with_a_stop_string(lambda i: _text(client.messages.create(
+        model=DIFFUSION, max_tokens=24, messages=[{"role": "user", "content": f"Tell me about river {i}."}],
+        extra_body={"temperature": 0})))
+    ask = {"model": DIFFUSION, "max_tokens": 24, "extra_body": {"temperature": 0}, "stop_sequences": [stop],
+           "messages": [{"role": "user", "content": f"Tell me about river {i}."}]}
+    cut = client.messages.create(**ask)
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
+    assert _text(cut) == text[:text.index(stop)]
+    with client.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence, _text(final)) == ("stop_sequence", stop, _text(cut))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", [{"type": "any", "disable_parallel_tool_use": True},
+                                    {"type": "tool", "name": "get_time"}])
+def test_diffusion_messages_forced_tool_use_validates(stack, stream, choice):
+    """``any`` and ``tool`` are constrained to vLLM's tool-call schema, whatever the model prefers
+    (one call: the array is bounded), and answered as ``tool_use`` blocks."""
+    client = _anthropic(stack)
+    ask = {"model": DIFFUSION, "max_tokens": 600, "messages": MSGS, "tools": [TOOL], "tool_choice": choice}
+    if stream:
+        with client.messages.stream(**ask) as s:
+            m = s.get_final_message()
+    else:
+        m = client.messages.create(**ask)
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and len(uses) == 1
+    assert uses[0].name == "get_time" and uses[0].input["tz"] in ("UTC", "CET", "JST") and uses[0].id
+
+
+def test_diffusion_messages_thinking_and_tools_as_chat_serves_them(stack):
+    """The shared stack's diffusion model has no parsers: ``tool_choice`` auto is a 400 naming it,
+    as on chat; thinking switched by effort or off is served; a thinking budget is refused, named."""
+    client = _anthropic(stack)
+    for kw in ({"output_config": {"effort": "low"}, "thinking": {"type": "adaptive"}},
+               {"thinking": {"type": "disabled"}}):
+        m = client.messages.create(model=DIFFUSION, max_tokens=4, messages=MSGS, extra_body=kw)
+        assert m.type == "message" and m.usage.output_tokens <= 4
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=DIFFUSION, max_tokens=2048, messages=MSGS,
+                               thinking={"type": "enabled", "budget_tokens": 1024})
+    assert e.value.body["type"] == "error" and "thinking.budget_tokens" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=DIFFUSION, max_tokens=4, messages=MSGS, tools=[TOOL],
+                               tool_choice={"type": "auto"})
+    assert "tool_call_parser" in e.value.body["error"]["message"]
+
+
+def test_diffusion_messages_count_tokens_equals_the_usage_of_the_same_messages(stack):
+    client = _anthropic(stack)
+    counted = client.messages.count_tokens(model=DIFFUSION, messages=MSGS, system="Be brief.")
+    used = client.messages.create(model=DIFFUSION, max_tokens=1, messages=MSGS, system="Be brief.")
+    assert counted.input_tokens == used.usage.input_tokens > 0
 
 
 # -- temperature 0 without a seed: the same answer twice -----------------------------------------
