@@ -15,8 +15,18 @@ and the output and error files are written once, from the stored answers, when t
 
 Ownership (several gateway processes, or a restart): a process runs a batch while it holds its
 lease (``owner``, ``lease_until``); it renews the lease every poll. A lease that lapsed (its
-process died) is taken by the next process that polls: ``BEGIN IMMEDIATE`` makes the take one
-writer's, so exactly one process runs each batch. WAL lets every process read meanwhile.
+process died or stalled) is taken by the next process that polls: ``BEGIN IMMEDIATE`` makes the
+take one writer's, and each take raises the batch's ``epoch``. The epoch fences a runner that lost
+its lease (a process stopped past it, then resumed): a line's answer and the runner's status moves
+are stored only while (owner, epoch) still holds, checked in the same transaction (compare and
+set), so exactly one process's answer is kept for each line. WAL lets every process read meanwhile.
+
+A batch is finalized only when none of its lines is pending (``move(..., answered=True)``, in the
+transaction of the move): a runner that stopped early (a drain, a lost lease) never ends a batch
+with lines unanswered.
+
+Thread-safe: one connection, every call under one lock, so a runner can call the store from a
+worker thread (off its event loop) while the routes call it too.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -47,13 +58,28 @@ CREATE TABLE IF NOT EXISTS batches (
     completion_window TEXT NOT NULL, metadata TEXT, output_expires_s INTEGER, status TEXT NOT NULL,
     created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL, in_progress_at INTEGER, finalizing_at INTEGER,
     completed_at INTEGER, failed_at INTEGER, expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER,
-    output_file_id TEXT, error_file_id TEXT, errors TEXT, model TEXT, owner TEXT, lease_until REAL);
+    output_file_id TEXT, error_file_id TEXT, errors TEXT, model TEXT, owner TEXT, lease_until REAL,
+    epoch INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL, idx INTEGER NOT NULL, custom_id TEXT, request TEXT, state TEXT NOT NULL,
     answer TEXT, input_tokens INTEGER DEFAULT 0, cached_tokens INTEGER DEFAULT 0,
     output_tokens INTEGER DEFAULT 0, reasoning_tokens INTEGER DEFAULT 0, PRIMARY KEY (batch_id, idx));
 CREATE INDEX IF NOT EXISTS lines_pending ON lines (batch_id, state);
 """
+
+
+Fence = tuple[str, int]  # (owner, epoch): a runner's hold on one batch
+
+
+def _locked(method):
+    """Run ``method`` under the store's lock (one connection, used from several threads)."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 def new_id(prefix: str) -> str:
@@ -78,18 +104,25 @@ class BatchStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")  # durable across a process crash (not power loss)
         self.db.executescript(SCHEMA)
+        columns = {r["name"] for r in self.db.execute("PRAGMA table_info(batches)")}
+        if "epoch" not in columns:  # a data dir of an earlier tandem
+            self.db.execute("ALTER TABLE batches ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0")
+        self._lock = threading.RLock()
 
+    @_locked
     def close(self) -> None:
         self.db.close()
 
     def _write(self):
-        """One writer's transaction (``with store._write():``)."""
-        return _Immediate(self.db)
+        """One writer's transaction (``with store._write():``), under the lock."""
+        return _Immediate(self.db, self._lock)
 
     # -- files ---------------------------------------------------------------------------------------
+    @_locked
     def file_path(self, file_id: str) -> Path:
         return self.dir / "files" / file_id
 
+    @_locked
     def add_file(self, data: bytes, purpose: str, filename: str, tenant: str | None,
                  expires_at: int | None = None, file_id: str | None = None) -> dict:
         file_id = file_id or new_id("file")
@@ -103,16 +136,19 @@ class BatchStore:
                             (file_id, purpose, filename, len(data), now, expires_at, tenant))
         return self.file(file_id)
 
+    @_locked
     def file(self, file_id: str) -> dict | None:
         row = self.db.execute("SELECT * FROM files WHERE id=?", (file_id,)).fetchone()
         return dict(row) if row is not None else None
 
+    @_locked
     def files(self, purpose: str | None = None) -> list[dict]:
         q, args = "SELECT * FROM files", ()
         if purpose is not None:
             q, args = q + " WHERE purpose=?", (purpose,)
         return [dict(r) for r in self.db.execute(q + " ORDER BY created_at, id", args)]
 
+    @_locked
     def delete_file(self, file_id: str) -> bool:
         with self._write():
             gone = self.db.execute("DELETE FROM files WHERE id=?", (file_id,)).rowcount > 0
@@ -120,11 +156,13 @@ class BatchStore:
             self.file_path(file_id).unlink(missing_ok=True)
         return gone
 
+    @_locked
     def expired_files(self, now: float) -> list[str]:
         return [r["id"] for r in self.db.execute(
             "SELECT id FROM files WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))]
 
     # -- batches -------------------------------------------------------------------------------------
+    @_locked
     def add_batch(self, *, endpoint: str, input_file_id: str, completion_window: str, window_s: int,
                   metadata: dict | None, output_expires_s: int | None, tenant: str | None, key: str | None) -> dict:
         batch_id = new_id("batch")
@@ -138,43 +176,67 @@ class BatchStore:
                  now + window_s))
         return self.batch(batch_id)
 
+    @_locked
     def batch(self, batch_id: str) -> dict | None:
         row = self.db.execute("SELECT * FROM batches WHERE id=?", (batch_id,)).fetchone()
         return dict(row) if row is not None else None
 
+    @_locked
     def batches(self) -> list[dict]:
         return [dict(r) for r in self.db.execute("SELECT * FROM batches ORDER BY created_at DESC, rowid DESC")]
 
-    def move(self, batch_id: str, status: str, only_from: Iterable[str] = ACTIVE, **fields) -> bool:
-        """Set a batch's status (and its timestamp, and ``fields``) if it is in ``only_from``."""
+    @_locked
+    def move(self, batch_id: str, status: str, only_from: Iterable[str] = ACTIVE, fence: Fence | None = None,
+             answered: bool = False, **fields) -> bool:
+        """Set a batch's status (and its timestamp, and ``fields``) if it is in ``only_from``, and
+        (``fence``) its runner still holds it, and (``answered``) no line of it is pending."""
         assert status in STATUSES, status
         sets = {"status": status, **fields}
         if status in TIMESTAMPS:
             sets[TIMESTAMPS[status]] = int(time.time())
         only = tuple(only_from)
+        where, args = f"id=? AND status IN ({','.join('?' * len(only))})", [batch_id, *only]
+        if fence is not None:
+            where, args = where + " AND owner=? AND epoch=?", [*args, *fence]
+        if answered:
+            where += " AND NOT EXISTS (SELECT 1 FROM lines WHERE batch_id=batches.id AND state='pending')"
         with self._write():
-            return self.db.execute(
-                f"UPDATE batches SET {', '.join(f'{k}=?' for k in sets)} WHERE id=? AND status IN "
-                f"({','.join('?' * len(only))})", (*sets.values(), batch_id, *only)).rowcount > 0
+            return self.db.execute(f"UPDATE batches SET {', '.join(f'{k}=?' for k in sets)} WHERE {where}",
+                                   (*sets.values(), *args)).rowcount > 0
 
-    def claim(self, owner: str, lease_s: float, now: float | None = None) -> list[str]:
-        """The active batches ``owner`` runs from now on: the ones it holds (lease renewed) and any
-        whose lease lapsed or that nobody holds yet (taken)."""
+    @_locked
+    def claim(self, owner: str, lease_s: float, now: float | None = None, take: bool = True) -> dict[str, int]:
+        """The active batches ``owner`` runs from now on, each with its epoch: the ones it holds
+        (lease renewed) and (``take``) any whose lease lapsed or that nobody holds yet (taken: a
+        new epoch). A process that stops taking (a drain) still renews what it holds."""
         now = time.time() if now is None else now
+        active = f"status IN ({','.join('?' * len(ACTIVE))})"
         with self._write():
-            self.db.execute(
-                f"UPDATE batches SET owner=?, lease_until=? WHERE status IN ({','.join('?' * len(ACTIVE))}) "
-                "AND (owner IS NULL OR owner=? OR lease_until < ?)", (owner, now + lease_s, *ACTIVE, owner, now))
-            return [r["id"] for r in self.db.execute(
-                "SELECT id FROM batches WHERE owner=? AND status IN "
-                f"({','.join('?' * len(ACTIVE))}) ORDER BY created_at, rowid", (owner, *ACTIVE))]
+            self.db.execute(f"UPDATE batches SET lease_until=? WHERE {active} AND owner=?",
+                            (now + lease_s, *ACTIVE, owner))
+            if take:
+                self.db.execute(f"UPDATE batches SET owner=?, lease_until=?, epoch=epoch+1 WHERE {active} "
+                                "AND (owner IS NULL OR (owner<>? AND lease_until < ?))",
+                                (owner, now + lease_s, *ACTIVE, owner, now))
+            return {r["id"]: r["epoch"] for r in self.db.execute(
+                f"SELECT id, epoch FROM batches WHERE owner=? AND {active} ORDER BY created_at, rowid",
+                (owner, *ACTIVE))}
 
+    def holds(self, batch_id: str, fence: Fence, now: float | None = None) -> bool:
+        """Whether the runner of ``fence`` still holds the batch: its owner and epoch, and a lease
+        not lapsed (a runner that stalled past it stops, even before another takes the batch)."""
+        now = time.time() if now is None else now
+        return self.db.execute("SELECT 1 FROM batches WHERE id=? AND owner=? AND epoch=? AND lease_until >= ?",
+                               (batch_id, *fence, now)).fetchone() is not None
+
+    @_locked
     def release(self, owner: str) -> None:
         """A process that stops (drained) lets another take its batches at once."""
         with self._write():
             self.db.execute("UPDATE batches SET owner=NULL, lease_until=NULL WHERE owner=?", (owner,))
 
     # -- lines ---------------------------------------------------------------------------------------
+    @_locked
     def add_lines(self, batch_id: str, lines: list[Line], model: str | None) -> None:
         """The validated input, once (a batch that already has lines keeps them: resumed)."""
         with self._write():
@@ -187,23 +249,32 @@ class BatchStore:
                   json.dumps(ln.answer) if ln.answer is not None else None) for ln in lines])
             self.db.execute("UPDATE batches SET model=? WHERE id=?", (model, batch_id))
 
+    @_locked
     def has_lines(self, batch_id: str) -> bool:
         return self.db.execute("SELECT 1 FROM lines WHERE batch_id=? LIMIT 1", (batch_id,)).fetchone() is not None
 
+    @_locked
     def pending(self, batch_id: str) -> list[Line]:
         return [Line(r["idx"], r["custom_id"], json.loads(r["request"])) for r in self.db.execute(
             "SELECT idx, custom_id, request FROM lines WHERE batch_id=? AND state='pending' ORDER BY idx",
             (batch_id,))]
 
-    def answer(self, batch_id: str, idx: int, answer: dict, ok: bool, usage: dict | None = None) -> bool:
-        """Store a line's answer, if it is still pending (one answer per line, ever)."""
+    @_locked
+    def answer(self, batch_id: str, idx: int, answer: dict, ok: bool, usage: dict | None = None,
+               fence: Fence | None = None) -> bool:
+        """Store a line's answer, if it is still pending (one answer per line, ever) and (``fence``)
+        its runner still holds the batch: False, nothing stored, otherwise."""
         u = _usage_counts(usage)
+        held, args = "", ()
+        if fence is not None:
+            held, args = " AND EXISTS (SELECT 1 FROM batches WHERE id=? AND owner=? AND epoch=?)", (batch_id, *fence)
         with self._write():
             return self.db.execute(
                 "UPDATE lines SET state=?, answer=?, input_tokens=?, cached_tokens=?, output_tokens=?, "
-                "reasoning_tokens=? WHERE batch_id=? AND idx=? AND state='pending'",
-                ("done" if ok else "failed", json.dumps(answer), *u, batch_id, idx)).rowcount > 0
+                f"reasoning_tokens=? WHERE batch_id=? AND idx=? AND state='pending'{held}",
+                ("done" if ok else "failed", json.dumps(answer), *u, batch_id, idx, *args)).rowcount > 0
 
+    @_locked
     def counts(self, batch_id: str) -> dict:
         """``request_counts`` and ``usage`` as OpenAI's Batch object has them."""
         r = self.db.execute(
@@ -216,15 +287,18 @@ class BatchStore:
                           "output_tokens": o, "output_tokens_details": {"reasoning_tokens": r["r"] or 0},
                           "total_tokens": i + o}}
 
+    @_locked
     def answers(self, batch_id: str, state: str) -> list[dict]:
         return [json.loads(r["answer"]) for r in self.db.execute(
             "SELECT answer FROM lines WHERE batch_id=? AND state=? ORDER BY idx", (batch_id, state))]
 
+    @_locked
     def states(self) -> dict[str, int]:
         """Batches per status (for the metrics)."""
         rows = self.db.execute("SELECT status, COUNT(*) AS n FROM batches GROUP BY status")
         return {r["status"]: r["n"] for r in rows}
 
+    @_locked
     def oldest_active(self) -> int | None:
         r = self.db.execute(f"SELECT MIN(created_at) AS t FROM batches WHERE status IN "
                             f"({','.join('?' * len(ACTIVE))})", ACTIVE).fetchone()
@@ -246,15 +320,23 @@ def _usage_counts(usage: dict | None) -> tuple[int, int, int, int]:
 
 class _Immediate:
     """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on an error): the write lock taken first,
-    so two processes' read-then-write never interleave."""
+    so two processes' read-then-write never interleave (and, under ``lock``, two threads')."""
 
-    def __init__(self, db: sqlite3.Connection):
-        self.db = db
+    def __init__(self, db: sqlite3.Connection, lock: threading.RLock):
+        self.db, self.lock = db, lock
 
     def __enter__(self):
-        self.db.execute("BEGIN IMMEDIATE")
+        self.lock.acquire()
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self.lock.release()
+            raise
         return self.db
 
     def __exit__(self, exc_type, exc, tb):
-        self.db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+        try:
+            self.db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+        finally:
+            self.lock.release()
         return False

@@ -62,12 +62,14 @@ class Batches:
         auth = service.config.auth
         keys = ({k.name: k for k in resolve_keys(auth, base_dir=service.config.config_dir)} if auth.enabled else {})
         self.runner = BatchRunner(service, self.store, keys)
+        service.on_drain.append(self.runner.drain)  # SIGTERM: no new line; unfinished ones stay pending
 
     def start(self) -> None:
         self.runner.start()
 
     async def stop(self) -> None:
-        """Stop running batches (their pending lines stay pending; another process may take them)."""
+        """Stop running batches (their pending lines stay pending; another process may take them at
+        once: the leases are released)."""
         await self.runner.stop()
         self.store.close()
 

@@ -51,6 +51,7 @@ class Service:
             for m in config.models], self.adapters,
             aliases={alias: m.name for m in config.models for alias in m.aliases})
         self.draining = False
+        self.on_drain: list[Callable[[], None]] = []  # told first when the drain begins (the batch runner)
         self.fatal: str | None = None  # why the service stopped at start (a replica's configuration)
         self.started_at = time.monotonic()
         keys = resolve_keys(config.auth, base_dir=config.config_dir) if config.auth.enabled else []
@@ -105,8 +106,11 @@ class Service:
         return sum(r.outstanding for r in self.router.all_replicas())
 
     async def drain(self) -> bool:
-        """Refuse new requests (and say so in /ready); wait for in-flight ones. True if drained."""
+        """Refuse new requests (and say so in /ready), tell ``on_drain`` (the batch runner starts
+        no more lines), wait for in-flight ones (batch lines among them). True if drained."""
         self.draining = True
+        for hook in self.on_drain:
+            hook()
         deadline = time.monotonic() + self.config.gateway.drain_timeout_s
         logger.info("draining: %d request(s) in flight, up to %.0f s", self.in_flight(),
                     self.config.gateway.drain_timeout_s)

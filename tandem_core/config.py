@@ -185,6 +185,9 @@ class GatewayConfig(_Strict):
     )
 
 
+LEASE_POLLS = 3  # batches.lease_s >= this many poll_s: two renewals may be late and the lease still holds
+
+
 def default_data_dir() -> Path:
     """Where durable state lives unless ``batches.data_dir`` says: ``$XDG_STATE_HOME/tandem``, else
     ``~/.local/state/tandem`` (the XDG base directory for state; read here, once)."""
@@ -206,10 +209,19 @@ class BatchesConfig(_Strict):
     max_file_bytes: int = Field(200 * 1024 * 1024, ge=1, description="Largest upload to /v1/files (its own body "
                                 "limit; other routes keep limits.max_body_bytes). OpenAI's: 200 MB.")
     max_lines: int = Field(50_000, ge=1, description="Lines a batch's input file may have (OpenAI's: 50,000).")
-    lease_s: float = Field(10, gt=0, description="A gateway process runs a batch while it renews its lease; a "
-                           "batch whose runner died (its lease lapsed) is taken over and resumed.")
-    poll_s: float = Field(1, gt=0, description="How often a gateway process looks for batches to run, and a "
-                          "running batch for a cancel or its expiry.")
+    lease_s: float = Field(10, gt=0, description="A gateway process runs a batch while it renews its lease (every "
+                           "poll_s); a batch whose runner died or stalled (its lease lapsed) is taken over and "
+                           "resumed, and the runner that lost it can no longer store an answer (a fenced lease). At "
+                           "least 3 x poll_s, so that a renewal a poll late keeps it.")
+    poll_s: float = Field(1, gt=0, description="How often a gateway process looks for batches to run, renews its "
+                          "leases, and a running batch for a cancel or its expiry.")
+
+    @model_validator(mode="after")
+    def _lease_outlives_polls(self):
+        if self.lease_s < LEASE_POLLS * self.poll_s:
+            raise ValueError(f"lease_s ({self.lease_s:g}) must be at least {LEASE_POLLS} x poll_s "
+                             f"({self.poll_s:g}): a lease renewed every poll_s would lapse between renewals")
+        return self
 
     @property
     def directory(self) -> Path:

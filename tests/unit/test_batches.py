@@ -168,7 +168,7 @@ def test_a_batch_left_in_any_state_by_a_dead_process_is_taken_over(tmp_path, sta
     f = store.add_file(_jsonl(lines), "batch", "in.jsonl", None)
     b = store.add_batch(endpoint="/v1/chat/completions", input_file_id=f["id"], completion_window="24h",
                         window_s=86400, metadata=None, output_expires_s=None, tenant=None, key=None)
-    assert store.claim("dead-process", lease_s=0.5) == [b["id"]]
+    assert list(store.claim("dead-process", lease_s=0.5)) == [b["id"]]
     if state != "validating":
         store.add_lines(b["id"], [Line(i, f"c{i}", {"custom_id": f"c{i}", "body": ln["body"]})
                                   for i, ln in enumerate(lines)], "fake")
@@ -206,13 +206,13 @@ def test_two_processes_one_runner_per_batch(tmp_path):
     f = a.add_file(b"{}\n", "batch", "in.jsonl", None)
     batch = a.add_batch(endpoint="/v1/chat/completions", input_file_id=f["id"], completion_window="24h",
                         window_s=86400, metadata=None, output_expires_s=None, tenant=None, key=None)
-    assert a.claim("a", 10) == [batch["id"]]
-    assert b.claim("b", 10) == []  # held
-    assert a.claim("a", 10) == [batch["id"]]  # renewed
-    assert b.claim("b", 10, now=time.time() + 11) == [batch["id"]]  # lapsed: taken over
-    assert a.claim("a", 10) == []
+    assert a.claim("a", 10) == {batch["id"]: 1}
+    assert b.claim("b", 10) == {}  # held
+    assert a.claim("a", 10) == {batch["id"]: 1}  # renewed (the same epoch)
+    assert b.claim("b", 10, now=time.time() + 11) == {batch["id"]: 2}  # lapsed: taken over, a new epoch
+    assert a.claim("a", 10) == {}
     b.release("b")
-    assert a.claim("a", 10) == [batch["id"]]  # released on a clean stop: taken at once
+    assert a.claim("a", 10) == {batch["id"]: 3}  # released on a clean stop: taken at once
 
 
 def test_run_batch_against_a_running_tandem_mixes_endpoints_in_input_order(tmp_path):
