@@ -61,8 +61,9 @@ class DiffusionEngineArgs(BaseModel):
                                         "(top_k, top_p, min_p, allowed ids, logit_bias, min_tokens) or a grammar, "
                                         "the eager passes. On a cuda device (its device form) a plain row instead "
                                         "takes its chunk's pass as one compiled graph, and the step's draws and "
-                                        "acceptance are compiled too (with compiled_trunk: 58 launches a layer for a "
-                                        "whole step at the 2-layer shape model, at 1 row as at a chunk of 4). None: "
+                                        "acceptance are compiled too (with compiled_trunk: a whole step is 56.5 / 55.5 "
+                                        "ops a layer at the 2-layer shape model at 1 row / a chunk of 4, counted on "
+                                        "the host by tandem_tools.opcount; not yet on a device). None: "
                                         "on for cpu (0.57 against 0.87 CPU s a row-step at DiffusionGemma's shape, "
                                         "1.2x its two GEMMs), off on cuda (not measured there yet).")
     compiled_trunk: bool = Field(False, description="Fast sampler (ignored by the exact one): the decoder "
@@ -75,6 +76,10 @@ class DiffusionEngineArgs(BaseModel):
                                  "(the vocabulary pass dominates there); tokens stay batch-invariant but differ "
                                  "from the eager trunk's (~5e-5 in the hidden states). Off by default until "
                                  "measured on a device.")
+    enforce_eager: bool = Field(False, description="vLLM's `--enforce-eager`, meaning what it means there: no "
+                                "compilation and no CUDA graphs (compiled_vocab, compiled_trunk and cuda_graphs off; "
+                                "setting one of them on as well is a config error). The eager passes serve: the "
+                                "same tokens as compiled_vocab (it is exact), none of its start-up compile time.")
     cuda_graphs: bool = Field(False, description="With compiled_trunk on a cuda device: the compiled trunk's "
                               "graphs captured as CUDA graphs (torch.compile's reduce-overhead mode), one per row "
                               "count and size class, and replayed (one launch for the trunk's ~34 kernels a "
@@ -108,6 +113,13 @@ class DiffusionEngineArgs(BaseModel):
         return v
 
     @model_validator(mode="after")
+    def _eager_compiles_nothing(self):
+        on = [f for f in ("compiled_vocab", "compiled_trunk", "cuda_graphs") if getattr(self, f)]
+        if self.enforce_eager and on:
+            raise ValueError(f"enforce_eager: true compiles nothing, and {on[0]}: true asks for compilation; give one")
+        return self
+
+    @model_validator(mode="after")
     def _cuda_graphs_need_a_compiled_trunk_on_a_device(self):
         if self.cuda_graphs and (not self.use_compiled_trunk or self.device == "cpu"):
             raise ValueError("cuda_graphs needs compiled_trunk: true, sampler: fast and a cuda device (a replica "
@@ -130,14 +142,15 @@ class DiffusionEngineArgs(BaseModel):
 
     @property
     def use_compiled_vocab(self) -> bool:
-        """``compiled_vocab`` resolved: fast sampler only, on by default on the host."""
-        if self.sampler != "fast":
+        """``compiled_vocab`` resolved: fast sampler only, on by default on the host (off with
+        ``enforce_eager``)."""
+        if self.sampler != "fast" or self.enforce_eager:
             return False
         return self.compiled_vocab if self.compiled_vocab is not None else self.device == "cpu"
 
     @property
     def use_compiled_trunk(self) -> bool:
-        return self.sampler == "fast" and self.compiled_trunk
+        return self.sampler == "fast" and self.compiled_trunk and not self.enforce_eager
 
     @property
     def row_boundaries(self) -> bool:

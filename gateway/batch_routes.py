@@ -29,6 +29,12 @@ def _limit(limit: int | None, default: int) -> int:
 
 
 def register_batch_routes(app, route, batches: Batches, max_json_depth: int) -> None:
+    """Every store call runs off the event loop (``asyncio.to_thread``): a slow disk or a database
+    another process holds stalls no request and no lease renewal."""
+
+    def off_loop(fn, *args):
+        return asyncio.to_thread(fn, *args)
+
     @route("files_create")
     async def create_file(request: Request) -> dict:
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -41,8 +47,7 @@ def register_batch_routes(app, route, batches: Batches, max_json_depth: int) -> 
             if purpose is None:
                 raise invalid("purpose: required", "purpose")
             data = await upload.read()
-            return await asyncio.to_thread(batches.upload, data, upload.filename or "upload", purpose,
-                                           _key(request))
+            return await off_loop(batches.upload, data, upload.filename or "upload", purpose, _key(request))
         finally:
             await form.close()
 
@@ -51,35 +56,39 @@ def register_batch_routes(app, route, batches: Batches, max_json_depth: int) -> 
                          after: str | None = None, order: str = "desc") -> dict:
         if order not in ("asc", "desc"):
             raise invalid("order: asc or desc", "order")
-        return batches.list_files(_key(request), purpose, _limit(limit, MAX_LIMIT), after, order)
+        return await off_loop(batches.list_files, _key(request), purpose, _limit(limit, MAX_LIMIT), after, order)
 
     @route("file")
     async def get_file(request: Request, file_id: str) -> dict:
-        return file_object(batches.file(file_id, _key(request)))
+        return file_object(await off_loop(batches.file, file_id, _key(request)))
 
     @route("file_delete")
     async def delete_file(request: Request, file_id: str) -> dict:
-        return batches.delete_file(file_id, _key(request))
+        return await off_loop(batches.delete_file, file_id, _key(request))
 
     @route("file_content")
     async def file_content(request: Request, file_id: str) -> FileResponse:
-        row = batches.file(file_id, _key(request))
+        row = await off_loop(batches.file, file_id, _key(request))
         return FileResponse(batches.store.file_path(file_id), media_type="application/octet-stream",
                             filename=row["filename"])
 
     @route("batches_create")
     async def create_batch(request: Request) -> dict:
         body = parse_json(await request.body(), max_json_depth)
-        return batches.create(body, _key(request))
+        out = await off_loop(batches.create, body, _key(request))
+        batches.runner.wake.set()
+        return out
 
     @route("batches_list")
     async def list_batches(request: Request, after: str | None = None, limit: int | None = None) -> dict:
-        return batches.list_batches(_key(request), after, _limit(limit, 20))
+        return await off_loop(batches.list_batches, _key(request), after, _limit(limit, 20))
 
     @route("batch")
     async def get_batch(request: Request, batch_id: str) -> dict:
-        return batches.batch(batch_id, _key(request))
+        return await off_loop(batches.batch, batch_id, _key(request))
 
     @route("batch_cancel")
     async def cancel_batch(request: Request, batch_id: str) -> dict:
-        return batches.cancel(batch_id, _key(request))
+        out = await off_loop(batches.cancel, batch_id, _key(request))
+        batches.runner.wake.set()
+        return out

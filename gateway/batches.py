@@ -55,6 +55,9 @@ def not_found(what: str, ident: str, param: str) -> TandemError:
 
 
 class Batches:
+    """The routes' work: plain calls of the store (thread-safe), which ``batch_routes`` runs off the
+    event loop; after a create or a cancel it wakes the runner (``runner.wake``, on the loop)."""
+
     def __init__(self, service):
         self.service = service
         self.config = service.config.batches
@@ -131,7 +134,6 @@ class Batches:
                                    body["completion_window"], window_s=window_s, metadata=metadata,
                                    output_expires_s=output_expires_s, tenant=_tenant(key),
                                    key=getattr(key, "name", None))
-        self.runner.wake.set()
         return self.batch_object(row)
 
     def batch(self, batch_id: str, key) -> dict:
@@ -151,7 +153,6 @@ class Batches:
             if status not in ("cancelling", "cancelled"):
                 raise TandemError(ErrorKind.INVALID_REQUEST,
                                   f"Cannot cancel a batch with status '{status}'.", "batch_id")
-        self.runner.wake.set()
         return self.batch(batch_id, key)
 
     def batch_object(self, row: dict) -> dict:

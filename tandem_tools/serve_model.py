@@ -22,7 +22,8 @@ from diffusion_plugin.families import family_of
 KINDS = ("autoregressive", "diffusion")
 CPU_KV_GIB = "4"  # an autoregressive model's KV cache on a host without GPU, unless VLLM_CPU_KVCACHE_SPACE says
 # Flags a diffusion model takes, and where they go in its engine_args.
-DIFFUSION_FLAGS = {"dtype": "dtype", "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser"}
+DIFFUSION_FLAGS = {"dtype": "dtype", "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser",
+                   "enforce_eager": "enforce_eager"}
 
 
 class ServeError(Exception):
@@ -56,8 +57,8 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     v.add_argument("--max-model-len", type=int, metavar="N", help="context length (autoregressive)")
     v.add_argument("--gpu-memory-utilization", type=float, metavar="F", help="share of a GPU's memory vLLM may use "
                    "(autoregressive)")
-    v.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs or compilation "
-                   "(a diffusion model always runs eagerly)")
+    v.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs or compilation, as "
+                   "vLLM means it (a diffusion model: compiled_vocab, compiled_trunk and cuda_graphs off)")
     v.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters (autoregressive)")
     v.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", help="adapters to serve on the model")
     v.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
@@ -142,7 +143,7 @@ VLLM_FLAGS = ("tensor_parallel_size", "pipeline_parallel_size", "dtype", "max_mo
 
 def _diffusion(entry: dict, given: dict, extra: list[str], family: str | None) -> dict:
     """A diffusion model's entry: the flags it takes go to its engine_args; the others are errors."""
-    refused = [k for k in given if k not in DIFFUSION_FLAGS and k not in ("enforce_eager", "enable_auto_tool_choice")]
+    refused = [k for k in given if k not in DIFFUSION_FLAGS and k != "enable_auto_tool_choice"]
     if refused or extra:
         flag = f"--{refused[0].replace('_', '-')}" if refused else extra[0]
         why = ("one device per replica: tensor and pipeline parallelism are not supported yet; add --replicas"

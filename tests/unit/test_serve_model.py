@@ -101,3 +101,45 @@ def test_help_groups_the_flags():
     text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     for group in ("the model (with MODEL)", "vLLM's serve flags", "the server"):
         assert group in text
+
+
+def test_enforce_eager_on_a_diffusion_model_turns_compilation_off():
+    """As vLLM means it (issue 50: it was accepted and dropped while compiled_vocab ran)."""
+    (m,) = _config(DIFFUSION, "--num-gpus", "0", "--enforce-eager")["models"]
+    assert m["engine_args"] == {"family": "diffusiongemma", "enforce_eager": True}
+    from diffusion_plugin.engine_args import DiffusionEngineArgs
+
+    fast = DiffusionEngineArgs(sampler="fast", enforce_eager=True)
+    assert not fast.use_compiled_vocab and not fast.use_compiled_trunk
+    assert DiffusionEngineArgs(sampler="fast").use_compiled_vocab  # the host's default it turns off
+    with pytest.raises(ConfigError, match="enforce_eager: true compiles nothing"):
+        parse_config({"models": [{"name": "d", "kind": "diffusion", "source": "x", "resources": {"num_gpus": 0},
+                                  "engine_args": {"enforce_eager": True, "compiled_trunk": True}}]})
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_a_fast_diffusion_engine_with_enforce_eager_compiles_nothing(eager):
+    """Dynamo's own count of the frames it compiled, over an engine's start and one request: none
+    with enforce_eager; some without (the host's compiled vocabulary pass: the count can fail)."""
+    import asyncio
+
+    from torch._dynamo.utils import counters
+
+    from diffusion_plugin.engine import DiffusionEngine
+    from workers import tiny_models
+
+    path = str(tiny_models.build(tiny_models.TINY_DIFFUSIONGEMMA))
+    before = sum(counters["frames"].values())
+
+    async def main():
+        engine = DiffusionEngine("m", path, {"sampler": "fast", "enforce_eager": eager, "max_batch": 2})
+        await engine.start()
+        try:
+            return [x async for x in engine.completions({"model": "m", "prompt": "Once", "max_tokens": 4}, "r0")]
+        finally:
+            await engine.shutdown()
+
+    (answer,) = asyncio.run(main())
+    assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+    compiled = sum(counters["frames"].values()) - before
+    assert (compiled == 0) is eager, compiled
