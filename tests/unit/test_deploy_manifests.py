@@ -92,6 +92,11 @@ CORE_V1: dict[str, dict] = {
                     "externalTrafficPolicy": "string", "internalTrafficPolicy": "string"},
     "ServicePort": {"name": "string", "port": "integer", "targetPort": "int-or-string", "protocol": "string",
                     "nodePort": "integer", "appProtocol": "string"},
+    "PersistentVolumeClaim": {"apiVersion": "string", "kind": "string", "metadata": "ObjectMeta",
+                              "spec": "PersistentVolumeClaimSpec"},
+    "PersistentVolumeClaimSpec": {"accessModes": ["string"], "storageClassName": "string",
+                                  "resources": {"requests": "quantities", "limits": "quantities"},
+                                  "volumeMode": "string", "volumeName": "string"},
 }
 REQUIRED = {"Container": ["name"], "EnvVar": ["name"], "KeySelector": ["key"], "VolumeMount": ["mountPath", "name"],
             "Volume": ["name"], "ContainerPort": ["containerPort"], "ServicePort": ["port"], "PodSpec": ["containers"]}
@@ -203,7 +208,7 @@ def test_every_raycluster_field_is_one_the_kuberay_crd_defines():
         assert not found, f"first: {found[0]}\nall:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("kind", ["ConfigMap", "Service"])
+@pytest.mark.parametrize("kind", ["ConfigMap", "Service", "PersistentVolumeClaim"])
 def test_core_objects_use_core_v1_fields(kind):
     for doc in of_kind(kind):
         found = list(problems(doc, core(kind), doc["metadata"]["name"]))
@@ -332,6 +337,85 @@ def test_the_configmap_config_loads_and_joins_the_cluster():
     assert cfg.ray.address == "auto" and cfg.models
 
 
+# -- listeners and durable state (issue 50) ---------------------------------------------------------
+
+
+def _script_port(text: str, var: str, default_re: str) -> tuple[str, int]:
+    m = re.search(default_re, text)
+    assert m, (var, default_re)
+    return var, int(m.group(1))
+
+
+def pod_listeners(group: str, container: dict, config: dict) -> list[tuple[str, int]]:
+    """(listener, port) of every fixed port a pod's processes bind, as its scripts, its environment
+    (the container's env, else the scripts' defaults) and tandem's config say: Ray's GCS, dashboard,
+    client server, metrics and dashboard agent; tandem's gateway and metrics listener (head)."""
+    node, head = (KUBERAY / "ray-node.sh").read_text(), (KUBERAY / "head.sh").read_text()
+    env = {k: e.get("value") for k, e in env_of(container).items()}
+
+    def port(var: str, text: str, pattern: str) -> int:
+        return int(env[var]) if env.get(var) else _script_port(text, var, pattern)[1]
+
+    out = [("ray metrics", port("TANDEM_RAY_METRICS_PORT", node, r'TANDEM_RAY_METRICS_PORT:-(\d+)')),
+           ("ray dashboard agent", port("TANDEM_RAY_AGENT_PORT", node, r'TANDEM_RAY_AGENT_PORT:-(\d+)'))]
+    if group == "head":
+        extra = env.get("TANDEM_RAY_START_ARGS") or ""
+        client = re.search(r"--ray-client-server-port[= ](\d+)", extra)
+        out += [("ray gcs", port("TANDEM_RAY_PORT", head, r'RAY_PORT:-(\d+)')),
+                ("ray dashboard", port("TANDEM_RAY_DASHBOARD_PORT", head, r'TANDEM_RAY_DASHBOARD_PORT:-(\d+)')),
+                ("ray client server", int(client.group(1)) if client else 10001),  # `ray start --head`'s default
+                ("tandem gateway", port("TANDEM_PORT", head, r'TANDEM_PORT:-(\d+)'))]  # --port wins over the config
+        if (config.get("metrics") or {}).get("port") is not None:
+            out.append(("tandem metrics", config["metrics"]["port"]))
+    return out
+
+
+def _clashes(listeners: list[tuple[str, int]]) -> list[str]:
+    by_port: dict[int, list[str]] = {}
+    for name, number in listeners:
+        by_port.setdefault(number, []).append(name)
+    return [f"{number}: {' and '.join(names)}" for number, names in sorted(by_port.items()) if len(names) > 1]
+
+
+def _configmap_config() -> dict:
+    (configmap,) = of_kind("ConfigMap")
+    return yaml.safe_load(configmap["data"]["config.yaml"])
+
+
+def test_no_two_listeners_of_one_pod_share_a_port():
+    """The head pod ran Ray's metrics and tandem's on 8080 both (issue 50): one of them could not
+    bind. Every fixed listener of each pod has a port of its own, and each port a container
+    declares is one of them."""
+    config = _configmap_config()
+    for group, container in containers(the_raycluster()).items():
+        listeners = pod_listeners(group, container, config)
+        assert not _clashes(listeners), (group, _clashes(listeners))
+        declared = {p["containerPort"] for p in container.get("ports", [])}
+        assert declared <= {number for _, number in listeners}, (group, declared, listeners)
+
+
+def test_the_clash_check_finds_a_planted_clash():
+    config = {**_configmap_config(), "metrics": {"host": "0.0.0.0", "port": 8080}}  # the shipped bug
+    head = containers(the_raycluster())["head"]
+    assert _clashes(pod_listeners("head", head, config)) == ["8080: ray metrics and tandem metrics"]
+
+
+def test_the_batch_store_lives_on_the_head_pods_volume():
+    """batches.data_dir is a mount of a PersistentVolumeClaim in the head pod; the image names
+    the same folder as its state volume and as the default's base (XDG_STATE_HOME)."""
+    data_dir = _configmap_config()["batches"]["data_dir"]
+    cluster = the_raycluster()
+    head_spec = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in containers(cluster)["head"]["volumeMounts"]}
+    volume = next(v for v in head_spec["volumes"] if v["name"] == mounts[data_dir])
+    claim = volume["persistentVolumeClaim"]["claimName"]
+    assert claim in {c["metadata"]["name"] for c in of_kind("PersistentVolumeClaim")}
+    steps = instructions(DOCKERFILE.read_text())
+    assert ("VOLUME", data_dir) in steps
+    env = " ".join(args for op, args in steps if op == "ENV")
+    assert re.search(r"XDG_STATE_HOME=(\S+)", env).group(1) + "/tandem" == data_dir
+
+
 # -- the image ------------------------------------------------------------------------------------
 
 
@@ -415,13 +499,13 @@ def test_prometheus_operator_objects_scrape_the_metrics_port_and_carry_the_alert
     (config,) = of_kind("ConfigMap")
     metrics = yaml.safe_load(config["data"]["config.yaml"])["metrics"]
     services = {s["metadata"]["name"]: s for s in of_kind("Service")}
-    port = next(p for p in services["tandem-metrics"]["spec"]["ports"] if p["name"] == "metrics")
-    assert port["targetPort"] == metrics["port"] == 8080 and metrics["host"] == "0.0.0.0"
+    port = next(p for p in services["tandem-metrics"]["spec"]["ports"] if p["name"] == "tandem-metrics")
+    assert port["targetPort"] == metrics["port"] == 8001 and metrics["host"] == "0.0.0.0"
     head = containers(the_raycluster())["head"]
-    assert {"containerPort": 8080, "name": "metrics"} in head["ports"]
+    assert {"containerPort": 8001, "name": "tandem-metrics"} in head["ports"]
     (monitor,) = of_kind("ServiceMonitor")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= services["tandem-metrics"]["metadata"]["labels"].items()
-    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["tandem-metrics"]
     (rule,) = of_kind("PrometheusRule")
     alerts = yaml.safe_load((REPO / "deploy" / "prometheus" / "tandem-alerts.yml").read_text())
     assert rule["spec"]["groups"] == alerts["groups"]  # one set of rules, two ways to load it
