@@ -102,6 +102,9 @@ class Tracing:
             if self.capture_content:
                 span.set_attribute("gen_ai.output.messages", _text(answer.get("choices") or answer.get("output")))
         stats = stats or {}
+        if answer is None and self.capture_content and stats.get("output_text"):  # a chat or completions stream's
+            span.set_attribute("gen_ai.output.messages", _text([{"index": i, "text": t} for i, t in
+                                                                sorted(stats["output_text"].items())]))
         if stats.get("prompt_tokens") is not None:
             span.set_attribute("gen_ai.usage.input_tokens", stats["prompt_tokens"])
         if stats.get("completion_tokens") is not None:

@@ -236,8 +236,10 @@ class ObservabilityConfig(_Strict):
         "(or OTEL_EXPORTER_OTLP_ENDPOINT) environment variable, else tracing is off (and costs nothing).")
     sample_ratio: float = Field(1.0, ge=0, le=1, description="The share of new traces sampled; a request that "
                                 "arrives with a sampled `traceparent` is always traced (parent-based).")
-    capture_content: bool = Field(False, description="Record prompts and outputs in the spans (off: they may "
-                                  "hold personal data).")
+    capture_content: bool = Field(False, description="Record prompts and outputs in the spans "
+                                  "(gen_ai.input.messages, gen_ai.output.messages; off: they may hold personal data). "
+                                  "A streamed chat or completion's output is recorded as each choice's joined text; "
+                                  "a streamed Responses or Messages output is not recorded.")
 
 
 class MetricsConfig(_Strict):

@@ -48,6 +48,7 @@ class FakeEngine:
         self.running: set[str] = set()
         self.aborted: list[str] = []
         self.served: list[str] = []
+        self.served_at: list[float] = []  # when each of ``served`` arrived (time.time())
         self.priorities: list[int] = []  # each generation request's `priority`, in arrival order
         self.responses_store: dict[str, dict] = {}  # this replica's stored responses, by id
 
@@ -176,6 +177,7 @@ class FakeEngine:
         finish = "length" if max_tokens is not None and max_tokens <= self.num_tokens else "stop"
         self.running.add(rid)
         self.served.append(rid)
+        self.served_at.append(time.time())
         try:
             if self.fail == "request":
                 raise RuntimeError("fake engine told to fail")

@@ -6,6 +6,11 @@ them) in process groups of their own, so a pod also marks its environment
 (``TANDEM_TEST_POD=<id>``), which every process it starts inherits: killing the pod kills its group
 and every marked process, as the end of a container kills everything in it, and a pod is gone
 when no marked process is left.
+
+A pod given a ``Network`` runs in a network namespace of its own, with an address of its own on a
+bridge of this host (as a pod has its own IP and ports), and a private ``/tmp/ray`` (as a pod has
+its own /tmp): two pods then bind the same ports, the manifests' own, as they do in a cluster. That
+needs root (CI is); the namespaces and the bridge go when the ``Network`` closes.
 """
 
 from __future__ import annotations
@@ -22,17 +27,64 @@ MARK = "TANDEM_TEST_POD"
 REPO = Path(__file__).resolve().parents[2]
 
 
+class Network:
+    """A bridge on this host and a network namespace per pod on it: ``add(name)`` gives the pod's
+    namespace and address (``10.231.N.2`` and up; the bridge is ``.1``, this host's side, so the
+    test reaches every pod). Names carry this process's pid: concurrent runs do not meet."""
+
+    def __init__(self):
+        tag = os.getpid() % 100_000
+        self.subnet = f"10.231.{tag % 200 + 20}"
+        self.bridge = f"tpb{tag}"
+        self.namespaces: list[str] = []
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+
+    def add(self, name: str) -> tuple[str, str]:
+        """A new namespace for pod ``name``: (namespace, its address)."""
+        n = len(self.namespaces) + 2
+        ns, host_end, pod_end = f"tp{os.getpid()}-{n}", f"tph{os.getpid() % 100_000}-{n}", "eth0"
+        address = f"{self.subnet}.{n}"
+        _ip("netns", "add", ns)
+        self.namespaces.append(ns)
+        _ip("link", "add", host_end, "type", "veth", "peer", "name", f"tpp{os.getpid() % 100_000}-{n}")
+        _ip("link", "set", f"tpp{os.getpid() % 100_000}-{n}", "netns", ns)
+        _ip("netns", "exec", ns, "ip", "link", "set", f"tpp{os.getpid() % 100_000}-{n}", "name", pod_end)
+        _ip("link", "set", host_end, "master", self.bridge, "up")
+        for args in (("addr", "add", f"{address}/24", "dev", pod_end), ("link", "set", pod_end, "up"),
+                     ("link", "set", "lo", "up"), ("route", "add", "default", "via", f"{self.subnet}.1")):
+            _ip("netns", "exec", ns, "ip", *args)  # (a default route: Ray finds its address by it)
+        return ns, address
+
+    def close(self) -> None:
+        for ns in self.namespaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    assert done.returncode == 0, f"ip {' '.join(args)}: {done.stderr.strip()}"
+
+
 class Pod:
-    def __init__(self, name: str, script: Path, env: dict[str, str], log_dir: Path):
+    def __init__(self, name: str, script: Path, env: dict[str, str], log_dir: Path, netns: str | None = None):
         self.name = name
         self.script = script
         self.id = f"{name}-{uuid.uuid4().hex[:12]}"
         self.env = {**env, MARK: self.id}
         self.log = log_dir / f"{name}.log"
+        self.netns = netns
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Pod:
-        self.proc = subprocess.Popen([str(self.script)], env=self.env, stdout=self.log.open("w"),
+        command = [str(self.script)]
+        if self.netns is not None:  # its own network and /tmp/ray; each step execs the next (one pid)
+            Path("/tmp/ray").mkdir(exist_ok=True)
+            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                       'mount -t tmpfs tmpfs /tmp/ray && exec ip netns exec "$0" "$1"', self.netns, str(self.script)]
+        self.proc = subprocess.Popen(command, env=self.env, stdout=self.log.open("w"),
                                      stderr=subprocess.STDOUT, cwd=REPO, process_group=0)
         return self
 

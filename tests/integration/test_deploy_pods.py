@@ -1,22 +1,31 @@
-"""The KubeRay pod commands, run here as two "pods" (issue 32, item 5): ``deploy/kuberay/head.sh``
-and ``deploy/kuberay/worker.sh``, exactly as the manifests call them, each in a process group of
-its own (``tests/integration/pods.py``), configured only through the environment variables the
-manifests set. The head starts Ray and `tandem serve` joining it (``ray: {address: auto}``); the
-worker joins the head. Both built-in tiny models ask for a custom resource only the worker offers
-(``resources.custom``; the head also has no CPU for Ray), so their replicas land on the worker,
-which the test checks against Ray's own view of its nodes (the dashboard's state API). Then the
-worker pod is killed as a node is lost (SIGKILL to all of it): the gateway stays up (/health 200),
-the models' requests get 503 + Retry-After within a bounded client timeout, their replicas wait for
-a node (pending); a new worker pod from the same script brings them back, on the new node. Last,
-the head pod is stopped as the kubelet stops a container (SIGTERM to its command): its gateway
-drains and exits 0, and Ray stops with it. Nothing of any pod outlives the test.
+"""The KubeRay pod commands, run here as two "pods" (issue 32, item 5; issue 50: as written):
+``deploy/kuberay/head.sh`` and ``deploy/kuberay/worker.sh``, exactly as the manifest calls them,
+each in a process group, a network namespace and a ``/tmp/ray`` of its own (``tests/integration/
+pods.py``: a pod's own IP and ports), configured with the manifest's own environment and the
+ConfigMap's config verbatim, ports included (the gateway on 8000, its metrics on 8001, Ray's GCS,
+dashboard, client server, metrics and agent on theirs). Rewritten, and only these: the model (the
+built-in tiny ones of configs/default.yaml), the addresses (KubeRay's RAY_ADDRESS for the worker:
+the head's here), the volumes' paths (the config's mount, the model cache, the state claim: folders
+of the test), and the object store's size (the manifest leaves it to the container's memory limit,
+which this host has no cgroup for).
 
-Independent of the session's shared stack: its own ports, Ray temp dirs and Ray cluster."""
+The head starts Ray and `tandem serve` joining it (``ray: {address: auto}``); the worker joins the
+head. The head offers Ray no CPU, so the replicas land on the worker, which the test checks
+against Ray's own view of its nodes (the dashboard's state API). Both metrics listeners of the head
+answer. Then the worker pod is killed as a node is lost (SIGKILL to all of it): the gateway stays
+up (/health 200), the models' requests get 503 + Retry-After within a bounded client timeout,
+their replicas wait for a node (pending); a new worker pod from the same script brings them back,
+on the new node. Then a batch runs and the head pod is killed outright (the worker pod with it, as
+Kubernetes restarts a worker whose head went away): a new head pod on the same state volume, and a
+new worker, complete the batch with every line once. Last, the head pod is stopped as the kubelet
+stops a container (SIGTERM to its command): its gateway drains and exits 0, and Ray stops with it.
+Nothing of any pod outlives the test.
+
+Independent of the session's shared stack: its own namespaces, ports, Ray cluster and data."""
 
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -27,74 +36,81 @@ import pytest
 import yaml
 
 from tandem_core.config import DEFAULT_CONFIG, REPO_ROOT
-from tests.integration.pods import Pod
+from tests.integration.pods import Network, Pod
 from tests.waiting import wait_for
 
 READY_TIMEOUT_S = float(os.environ.get("TANDEM_TEST_READY_TIMEOUT_S", "600"))
 DEPLOY = REPO_ROOT / "deploy" / "kuberay"
-LABEL = "tandem-worker"  # the worker pods' custom Ray resource; each replica asks for 1
 CLIENT_TIMEOUT_S = 60  # a request that hangs runs into this and fails the test
 STOP_TIMEOUT_S = 120  # the head's drain plus Ray's stop
+OBJECT_STORE = str(200 * 1024**2)
+BATCH_LINES = 60
 
-pytestmark = pytest.mark.timeout(int(2 * READY_TIMEOUT_S + 600))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = [pytest.mark.timeout(int(3 * READY_TIMEOUT_S + 900)),
+              pytest.mark.skipif(os.geteuid() != 0, reason="pods in network namespaces need root (CI runs as root)")]
 
 
-def _config(port: int) -> dict:
-    """configs/default.yaml's two tiny models, joining a cluster, each replica needing a worker."""
-    default = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    models = []
-    for model in default["models"]:
-        resources = {**model["resources"], "custom": {LABEL: 1}}
-        models.append({**model, "resources": resources})
-    return {"gateway": {"host": "127.0.0.1", "port": port, "health_interval_s": 2},
-            "ray": {"address": "auto"}, "models_dir": str(REPO_ROOT / "models"), "models": models}
+def _manifest() -> tuple[dict, dict]:
+    """(the RayCluster, the ConfigMap's config) of deploy/kuberay/raycluster.yaml."""
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "raycluster.yaml").read_text()) if d]
+    cluster = next(d for d in docs if d["kind"] == "RayCluster")
+    configmap = next(d for d in docs if d["kind"] == "ConfigMap")
+    return cluster, yaml.safe_load(configmap["data"]["config.yaml"])
 
 
-def _pod_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "TANDEM_RAY_"))}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # ray, tandem
-    env["TANDEM_RAY_NODE_IP"] = "127.0.0.1"
-    env["TANDEM_RAY_OBJECT_STORE_MEMORY"] = str(200 * 1024**2)
-    return env
+def _container(cluster: dict, group: str) -> dict:
+    spec = cluster["spec"]["headGroupSpec"] if group == "head" else cluster["spec"]["workerGroupSpecs"][0]
+    return spec["template"]["spec"]["containers"][0]
+
+
+def _env(container: dict) -> dict[str, str]:
+    """The container's env as the manifest sets it (a Secret the cluster lacks, optional: unset)."""
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def _mount(container: dict, volume: str) -> str:
+    return next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == volume)
 
 
 class Cluster:
-    """The two pods' settings: what the manifests set, with ports and temp dirs of their own, as
-    two pods on one host need (each pod has its own network namespace and /tmp)."""
+    """The two pods, as the manifest makes them (module docstring: what is rewritten)."""
 
-    def __init__(self, tmp: Path, logs: Path):
-        self.tmp = tmp
-        self.logs = logs
-        self.gcs_port, self.port, self.dashboard_port = _free_port(), _free_port(), _free_port()
-        self.config = tmp / "config.yaml"
-        self.config.write_text(yaml.safe_dump(_config(self.port)))
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, tmp: Path, net: Network):
+        self.tmp, self.net = tmp, net
+        self.manifest, config = _manifest()
+        head = _container(self.manifest, "head")
+        self.state = tmp / "state"  # the claim mounted at batches.data_dir
+        default = yaml.safe_load(DEFAULT_CONFIG.read_text())
+        config = {**config, "models": default["models"],
+                  "batches": {**config["batches"], "data_dir": str(self.state)}}
+        assert config["batches"]["data_dir"] and _mount(head, "tandem-state") == _manifest()[1]["batches"]["data_dir"]
+        config_dir = tmp / "etc"  # the ConfigMap's mount
+        config_dir.mkdir()
+        self.config_path = config_dir / Path(_env(head)["TANDEM_CONFIG"]).name
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.config = config
+        self.head_ns, self.head_ip = net.add("head")
+        self.url = f"http://{self.head_ip}:{config['gateway']['port']}"
         self.workers = 0
         self.pods: list[Pod] = []  # every pod started, for the teardown
 
+    def _base(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "TANDEM_"))}
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the image's venv
+        return {**env, "TANDEM_RAY_OBJECT_STORE_MEMORY": OBJECT_STORE}
+
     def head(self) -> Pod:
-        env = {**_pod_env(), "TANDEM_CONFIG": str(self.config), "TANDEM_HOST": "127.0.0.1",
-               "TANDEM_PORT": str(self.port), "TANDEM_RAY_PORT": str(self.gcs_port),
-               "TANDEM_RAY_TEMP_DIR": str(self.tmp / "h"), "TANDEM_RAY_DASHBOARD_HOST": "127.0.0.1",
-               "TANDEM_RAY_DASHBOARD_PORT": str(self.dashboard_port),
-               "TANDEM_RAY_METRICS_PORT": str(_free_port()), "TANDEM_RAY_AGENT_PORT": str(_free_port()),
-               "TANDEM_RAY_START_ARGS": f"--ray-client-server-port={_free_port()}"}
-        self.pods.append(Pod("head", DEPLOY / "head.sh", env, self.logs))
+        env = {**self._base(), **_env(_container(self.manifest, "head")), "TANDEM_CONFIG": str(self.config_path)}
+        self.pods.append(Pod(f"head{len(self.pods)}", DEPLOY / "head.sh", env, self.tmp, self.head_ns))
         return self.pods[-1].start()
 
     def worker(self) -> Pod:
         self.workers += 1
-        env = {**_pod_env(), "TANDEM_RAY_HEAD": f"127.0.0.1:{self.gcs_port}",
-               "TANDEM_RAY_TEMP_DIR": str(self.tmp / f"w{self.workers}"), "TANDEM_RAY_NUM_CPUS": "2",
-               "TANDEM_RAY_RESOURCES": json.dumps({LABEL: 2}),
-               "TANDEM_RAY_METRICS_PORT": str(_free_port()), "TANDEM_RAY_AGENT_PORT": str(_free_port())}
-        self.pods.append(Pod(f"worker{self.workers}", DEPLOY / "worker.sh", env, self.logs))
+        container = _container(self.manifest, "worker")
+        env = {**self._base(), **_env(container), "RAY_ADDRESS": f"{self.head_ip}:6379",  # KubeRay's, to the head
+               "HF_HOME": str(self.tmp / "cache")}
+        ns, _ = self.net.add(f"worker{self.workers}")
+        self.pods.append(Pod(f"worker{self.workers}", DEPLOY / "worker.sh", env, self.tmp, ns))
         return self.pods[-1].start()
 
     # -- what the test reads ---------------------------------------------------------------------
@@ -112,8 +128,8 @@ class Cluster:
         return {r["model"]: r for r in self.get("/admin/replicas").json()["replicas"]}
 
     def ray_nodes(self) -> list[dict]:
-        """Ray's live nodes as its dashboard's state API lists them."""
-        r = httpx.get(f"http://127.0.0.1:{self.dashboard_port}/api/v0/nodes", params={"detail": 1}, timeout=30)
+        """Ray's live nodes as its dashboard's state API lists them (the manifest's dashboard port)."""
+        r = httpx.get(f"http://{self.head_ip}:8265/api/v0/nodes", params={"detail": 1}, timeout=30)
         return [n for n in r.json()["data"]["result"]["result"] if n["state"] == "ALIVE"]
 
     def client(self) -> openai.OpenAI:
@@ -126,13 +142,17 @@ MODELS = [m["name"] for m in yaml.safe_load(DEFAULT_CONFIG.read_text())["models"
 @pytest.fixture
 def cluster():
     tmp = Path(tempfile.mkdtemp(prefix="tp-", dir="/tmp"))  # short: Ray's socket paths live under it
-    c = Cluster(tmp, tmp)
+    net = Network()
+    c = None
     try:
+        c = Cluster(tmp, net)
         yield c
     finally:
-        for pod in c.pods:  # whatever is left of them: nothing of either pod may outlive the test
+        for pod in c.pods if c is not None else []:  # whatever is left of them: nothing may outlive the test
             pod.kill()
-        print("\n".join(p.log_tail() for p in c.pods))
+        if c is not None:
+            print("\n".join(p.log_tail() for p in c.pods))
+        net.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -161,11 +181,11 @@ def _placed_on(c: Cluster, worker_nodes: set[str]) -> dict[str, str]:
 
 
 def _worker_nodes(c: Cluster) -> tuple[set[str], set[str]]:
-    """(head node ids, worker node ids): Ray's live nodes, a worker being one that offers LABEL."""
+    """(head node ids, worker node ids): Ray's live nodes; the head offers no CPU (the manifest's)."""
     nodes = c.ray_nodes()
     head = {n["node_id"] for n in nodes if n["is_head_node"]}
-    workers = {n["node_id"] for n in nodes if LABEL in n["resources_total"]}
-    assert len(head) == 1 and not head & workers, nodes
+    workers = {n["node_id"] for n in nodes if not n["is_head_node"]}
+    assert len(head) == 1 and not any(n["resources_total"].get("CPU") for n in nodes if n["is_head_node"]), nodes
     return head, workers
 
 
@@ -190,6 +210,11 @@ def test_head_and_worker_pods_serve_and_survive_the_worker(cluster):
     assert len(workers) == 1
     first = _placed_on(c, workers)
     _answers(c)
+    # The head pod's two metrics listeners, each on its manifest port (they clashed on 8080 before).
+    ray_metrics = httpx.get(f"http://{c.head_ip}:8080/metrics", timeout=30)
+    ours = httpx.get(f"http://{c.head_ip}:{c.config['metrics']['port']}/metrics", timeout=30)
+    assert ray_metrics.status_code == 200 and ours.status_code == 200 and "tandem_requests_total" in ours.text
+    assert "tandem_requests_total" not in ray_metrics.text
 
     # The worker pod is lost, as a node is: SIGKILL to all of it.
     worker.kill()
@@ -207,10 +232,9 @@ def test_head_and_worker_pods_serve_and_survive_the_worker(cluster):
                 _chat(c, model)
             assert e.value.status_code == 503 and e.value.response.headers.get("retry-after"), e.value
         rows = c.replicas()
-        return all(rows[m]["state"] == "pending" and LABEL in (rows[m]["error"] or "") for m in MODELS)
+        return all(rows[m]["state"] == "pending" for m in MODELS)
 
-    wait_for(waiting_for_a_node, "the replicas to wait for a node offering " + LABEL,
-             timeout=READY_TIMEOUT_S, interval=1)
+    wait_for(waiting_for_a_node, "the replicas to wait for a node", timeout=READY_TIMEOUT_S, interval=1)
     assert c.get("/ready").status_code == 503  # no model serves: the pod leaves its Service until one does
     assert head.running
 
@@ -223,6 +247,40 @@ def test_head_and_worker_pods_serve_and_survive_the_worker(cluster):
     second = _placed_on(c, workers_now - workers)
     assert set(second.values()).isdisjoint(first.values())
     _answers(c)
+
+    # A batch runs; the head pod is killed outright, and the worker pod with it (Kubernetes restarts
+    # a worker whose head went away: its Ray node dies with the GCS). A new head pod on the same
+    # state volume, and a new worker, finish the batch: every line once.
+    client = c.client()
+    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODELS[0], "max_tokens": 128, "temperature": 0, "ignore_eos": True,
+                       "messages": [{"role": "user", "content": f"Count to {i}."}]}} for i in range(BATCH_LINES)]
+    f = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                            purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = {}
+
+    def some_done() -> bool:
+        done["n"] = client.batches.retrieve(batch.id).request_counts.completed
+        return done["n"] >= 8
+
+    wait_for(some_done, "8 batch lines answered", timeout=300, interval=0.2)
+    head.kill()
+    worker.kill()
+    assert done["n"] < BATCH_LINES, "the batch finished before the head was killed: nothing was tested"
+    head, worker = c.head(), c.worker()
+    took = _wait_serving(c, [head, worker], "both models back behind a new head pod")
+    print(f"a new head pod served {took:.0f} s after it started")
+
+    def completed() -> bool:
+        done["b"] = c.client().batches.retrieve(batch.id)
+        assert done["b"].status not in ("failed", "expired", "cancelled"), done["b"]
+        return done["b"].status == "completed"
+
+    wait_for(completed, "the batch to complete behind the new head pod", timeout=900, interval=1)
+    assert done["b"].request_counts.completed == BATCH_LINES and done["b"].request_counts.failed == 0
+    ids = [json.loads(x)["custom_id"] for x in c.client().files.content(done["b"].output_file_id).text.splitlines()]
+    assert sorted(ids) == sorted(x["custom_id"] for x in lines)
 
     # The head stopped as the kubelet stops a container: SIGTERM to its command. The gateway drains
     # and exits 0, then Ray stops: nothing of the pod is left. (The worker pod goes in the teardown.)

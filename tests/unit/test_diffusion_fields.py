@@ -35,13 +35,26 @@ def _param(cls, body, neutral=None) -> str | None:
     ("frequency_penalty", 0.5), ("presence_penalty", -1),
     ("repetition_penalty", 1.2), ("functions", [{"name": "f"}]),
     ("function_call", "auto"), ("store", True), ("prediction", {"type": "content", "content": "x"}),
-    ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]), ("reasoning_effort", "low"), ("made_up_field", 1),
+    ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]), ("reasoning_effort", "hard"), ("made_up_field", 1),
 ])
 def test_chat_refuses_what_it_does_not_implement(field, value):
     assert _param(P.ChatBody, {**CHAT, field: value}) == field
 
 
-@pytest.mark.parametrize("field, value", [("best_of", 2), ("suffix", "end"), ("presence_penalty", 0.1)])
+def test_chat_reasoning_effort_switches_the_templates_thinking_as_vllm_does():
+    """vLLM's ``build_chat_params``: the effort to the template, thinking on for any but "none",
+    unless the request's ``chat_template_kwargs`` set ``enable_thinking``."""
+    def kwargs(**kw):
+        return P.parse(P.ChatBody, {**CHAT, **kw}).template_kwargs()
+
+    assert kwargs(reasoning_effort="low") == {"reasoning_effort": "low", "enable_thinking": True}
+    assert kwargs(reasoning_effort="none") == {"reasoning_effort": "none", "enable_thinking": False}
+    assert kwargs(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False})["enable_thinking"] is False
+    assert kwargs() is None
+
+
+@pytest.mark.parametrize("field, value", [("best_of", 2), ("suffix", "end"), ("presence_penalty", 0.1),
+                                          ("reasoning_effort", "low")])
 def test_completions_refuses_what_it_does_not_implement(field, value):
     assert _param(P.CompletionBody, {"model": "m", "prompt": "x", field: value}) == field
 

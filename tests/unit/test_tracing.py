@@ -15,6 +15,7 @@ from gateway.tracing import Tracing
 from tandem_core import tracing as replica_tracing
 from tandem_core.config import ObservabilityConfig
 from tests.unit.gateway_server import fake_gateway
+from tests.waiting import wait_for
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT = "b7ad6b7169203331"
@@ -214,3 +215,28 @@ def test_a_request_not_sampled_is_served_and_leaves_no_span(traced):
         assert httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
         service.tracing = None
     assert exporter.get_finished_spans() == ()
+
+
+def test_capture_content_records_a_streams_output_too():
+    """observability.capture_content (issue 50: a stream's output was not recorded): a streamed
+    chat's joined text per choice is its span's gen_ai.output.messages, as a whole answer's is."""
+    from gateway.generate import _note_text
+
+    texts: dict[int, str] = {}
+    _note_text(texts, 'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n')
+    _note_text(texts, 'data: {"choices": [{"index": 1, "text": "b"}, {"index": 0, "delta": {}}]}\n\ndata: [DONE]\n\n')
+    assert texts == {0: "a", 1: "b"}
+    exporter = InMemorySpanExporter()
+    with fake_gateway({"num_tokens": 3}) as (url, service, _):
+        service.tracing = Tracing(ObservabilityConfig(capture_content=True), exporter, batch=False)
+        try:
+            body = {"model": "fake", "messages": [{"role": "user", "content": "hello"}], "stream": True}
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as s:
+                streamed = "".join(json.loads(x[6:])["choices"][0]["delta"].get("content") or ""
+                                   for x in s.iter_lines() if x.startswith("data: {"))
+            wait_for(lambda: "chat fake" in _by_name(exporter), "the stream's span to end")
+        finally:
+            service.tracing = None
+    span = _by_name(exporter)["chat fake"]
+    assert "hello" in span.attributes["gen_ai.input.messages"]
+    assert streamed and json.loads(span.attributes["gen_ai.output.messages"]) == [{"index": 0, "text": streamed}]
