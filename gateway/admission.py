@@ -10,7 +10,10 @@ Three tiers, as llm-d dispatches:
    least-served active one, so idleness is not banked as credit, and a tenant alone takes every
    slot (work conserving). Chosen over weighted fair queuing's finish tags because a request's
    true cost (its generated tokens) is not known at admission: the counter charges the estimate
-   (``Intake.tokens`` on autoregressive models, rows on diffusion ones) and stays simple to share.
+   when the request is let through (``router.request_cost``: ``Intake.tokens`` on autoregressive
+   models; ``n`` on diffusion ones, the rows of one prompt, a completion's list of prompts counted
+   as one) and is never corrected by what it used, so a tenant whose requests stop early is
+   charged for the output they could have made; simple to share.
 3. **Arrival order** within a tenant.
 
 Pure: no asyncio, no clock of its own (``now`` is passed), so it is tested with a fake clock.

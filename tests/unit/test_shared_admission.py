@@ -106,12 +106,20 @@ def test_weighted_shares_hold_when_each_tenant_lands_on_its_own_process(tmp_path
 
 
 def test_a_tenant_alone_takes_every_slot_of_both_processes(tmp_path):
+    """Work conserving across processes: a lone tenant on process a holds every slot of the model
+    (the other process sees them held); a request on b then waits for one of them, and gets it."""
     async def main():
         a, b = _pools(tmp_path, max_in_flight=3)
         slots = [await a.acquire(claim=Claim(0, "light", 1.0)) for _ in range(3)]
-        assert a.shares.held() == 3 and b.queued == 0
+        assert a.shares.held() == 3 == b.shares.held()
+        waiting = asyncio.create_task(b.acquire(claim=Claim(0, "heavy", 3.0)))
+        await asyncio.wait({waiting}, timeout=0.2)  # b's polls see no free slot
+        assert not waiting.done() and b.queued == 1
+        a.release(slots.pop())
+        b.release(await asyncio.wait_for(waiting, 5))
         for s in slots:
             a.release(s)
+        assert a.shares.held() == 0
     asyncio.run(main())
 
 
