@@ -8,7 +8,6 @@ SSE events. ``serve`` needs no HTTP object: a batch job serves its lines with it
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import uuid
@@ -26,6 +25,7 @@ from gateway.replicas import Replica
 from gateway.router import ModelPool, Slot, request_cost
 from gateway.service import Service
 from gateway.streaming import ClientGone, event_body, sse_body, until_disconnect
+from gateway.tracing import note_stream_text
 from tandem_core.errors import ErrorKind, TandemError, invalid, request_timeout
 from tandem_core.protocol import DONE_ROUTES, route_not_served
 
@@ -85,9 +85,7 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
     metrics, model = service.metrics, request.state.tandem_model
     if route in DONE_ROUTES:  # the hot path: unchanged
         body_iter = sse_body(answer.first, answer.items, answer.release,
-                             _chunk_observer(metrics, model, env.key_name, env.stats, service.tracing is not None,
-                                             service.tracing is not None and service.tracing.capture_content,
-                                             answer.first))
+                             _chunk_observer(metrics, model, env.key_name, env.stats, service.tracing, answer.first))
     else:
         body_iter = event_body(answer.first, answer.items, answer.release, route)
     return StreamingResponse(body_iter, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
@@ -370,16 +368,14 @@ _FINISH = re.compile(r'"finish_reason": ?"(\w+)"')
 _ID = re.compile(r'"id": ?"([^"]+)"')
 
 
-def _chunk_observer(metrics, model: str, key_name: str | None, stats: dict, traced: bool = False,
-                    capture: bool = False, first: str | None = None):
-    """What follows the stream's ``first`` chunk. ``traced``: the stream's finish reasons noted too
-    (``stats["finish_reasons"]``, for its span); ``capture`` (``observability.capture_content``): its
-    text too, ``first``'s included, per choice (``stats["output_text"]``)."""
+def _chunk_observer(metrics, model: str, key_name: str | None, stats: dict, tracing=None, first: str = ""):
+    """What follows the stream's ``first`` chunk. Traced: its finish reasons noted too (``stats``,
+    for its span), and its text per choice with ``capture_content`` (``first``'s included)."""
     last = now()
-    reasons = stats.setdefault("finish_reasons", []) if traced else None
-    texts = stats.setdefault("output_text", {}) if capture else None
-    if texts is not None and first:
-        _note_text(texts, first)
+    reasons = stats.setdefault("finish_reasons", []) if tracing is not None else None
+    texts = stats.setdefault("output_text", {}) if tracing is not None and tracing.capture_content else None
+    if texts is not None:
+        note_stream_text(texts, first)
 
     def observe(chunk: str) -> None:
         nonlocal last
@@ -392,24 +388,9 @@ def _chunk_observer(metrics, model: str, key_name: str | None, stats: dict, trac
         if reasons is not None and '"finish_reason"' in chunk:
             reasons.extend(_FINISH.findall(chunk))
         if texts is not None:
-            _note_text(texts, chunk)
+            note_stream_text(texts, chunk)
 
     return observe
-
-
-def _note_text(texts: dict[int, str], chunk: str) -> None:
-    """A chat or completions chunk's text, added to its choice's (a trace's captured output)."""
-    for line in chunk.splitlines():
-        if not line.startswith("data: {"):
-            continue
-        try:
-            choices = json.loads(line[6:]).get("choices") or ()
-        except ValueError:
-            continue
-        for c in choices:
-            piece = (c.get("delta") or {}).get("content") if "delta" in c else c.get("text")
-            if isinstance(piece, str):
-                texts[c.get("index", 0)] = texts.get(c.get("index", 0), "") + piece
 
 
 def _note_usage(stats: dict, usage: object) -> None:

@@ -137,3 +137,21 @@ def _text(value) -> str:
     import json
 
     return value if isinstance(value, str) else json.dumps(value)[:65536]
+
+
+def note_stream_text(texts: dict[int, str], chunk: str) -> None:
+    """A chat or completions chunk's text, added to its choice's: a stream's output, for its span
+    when ``capture_content`` is on (``generate._chunk_observer`` feeds it)."""
+    import json
+
+    for line in chunk.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        try:
+            choices = json.loads(line[6:]).get("choices") or ()
+        except ValueError:
+            continue
+        for c in choices:
+            piece = (c.get("delta") or {}).get("content") if "delta" in c else c.get("text")
+            if isinstance(piece, str):
+                texts[c.get("index", 0)] = texts.get(c.get("index", 0), "") + piece

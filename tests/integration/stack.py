@@ -100,8 +100,19 @@ def running_stack(config: dict, tmp: Path) -> Iterator[Stack]:
 def serving(args: list[str], port: int, tmp: Path, config: dict, env: dict | None = None) -> Iterator[Stack]:
     """`tandem serve ARGS` from the repository root (as `make serve` runs it), listening on
     ``port``, every model ready, until the block ends; ``config``: what it serves (the Stack's)."""
-    log = tmp / "serve.log"
-    # A new process group (not a new session): one signal reaches Ray and vLLM too.
+    proc, s = launch(args, port, tmp, config, env)
+    try:
+        yield s
+    finally:
+        stop(proc)
+
+
+def launch(args: list[str], port: int, tmp: Path, config: dict, env: dict | None = None,
+           log_name: str = "serve.log") -> tuple[subprocess.Popen, Stack]:
+    """`tandem serve ARGS` started in a process group of its own (not a new session: one signal
+    reaches Ray and vLLM too), every model ready: (the process, its Stack). The caller stops it
+    (``stop``), or signals it itself (a test of how it stops)."""
+    log = tmp / log_name
     proc = subprocess.Popen([sys.executable, "-m", "tandem_tools.cli", "serve", *args],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO, process_group=0,
                             env={**os.environ, **(env or {})})
@@ -117,13 +128,18 @@ def serving(args: list[str], port: int, tmp: Path, config: dict, env: dict | Non
             return False
 
     try:
-        try:
-            wait_for(ready, "tandem is ready", timeout=READY_TIMEOUT_S, interval=1)
-        except AssertionError as e:
-            pytest.fail(f"{e}\n{s.log_tail()}")
-        yield s
-    finally:
+        wait_for(ready, "tandem is ready", timeout=READY_TIMEOUT_S, interval=1)
+    except AssertionError as e:
         stop(proc)
+        pytest.fail(f"{e}\n{s.log_tail()}")
+    return proc, s
+
+
+def launch_config(config: dict, tmp: Path, log_name: str = "serve.log") -> tuple[subprocess.Popen, Stack]:
+    """``launch`` on ``config`` (written under ``tmp``; its gateway.port set)."""
+    path = tmp / f"{Path(log_name).stem}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return launch(["--config", str(path)], config["gateway"]["port"], tmp, config, log_name=log_name)
 
 
 @contextmanager

@@ -28,6 +28,7 @@ import openai
 import pytest
 import yaml
 
+from tests.batches import chat_lines, completed, submit
 from tests.integration.stack import REPO, stop
 from tests.unit.gateway_server import free_port
 from tests.waiting import wait_for
@@ -36,6 +37,7 @@ LINES = 120
 IN_FLIGHT = 4
 LEASE_S, POLL_S = 3.0, 0.5
 ENGINE = {"num_tokens": 5, "token_delay_s": 0.05}  # a line takes ~0.25 s
+LINES_ = chat_lines(LINES, "fake")
 
 
 class Gateway:
@@ -87,14 +89,6 @@ def gateways(tmp_path):
                 stop(g.proc)
 
 
-def _submit(g: Gateway) -> str:
-    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": "fake", "messages": [{"role": "user", "content": f"hi {i}"}]}} for i in range(LINES)]
-    f = g.client().files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
-                                purpose="batch")
-    return g.client().batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id
-
-
 def _row(data: Path, batch_id: str) -> dict:
     db = sqlite3.connect(data / "tandem.db")
     db.row_factory = sqlite3.Row
@@ -112,35 +106,25 @@ def _owner(pair: list[Gateway], row: dict) -> Gateway | None:
     return pids.get((row["owner"] or "::").split(":")[1])
 
 
-def _completed(g: Gateway, batch_id: str, timeout: float = 120):
-    out = {}
-
-    def done() -> bool:
-        out["b"] = g.client().batches.retrieve(batch_id)
-        assert out["b"].status not in ("failed", "expired", "cancelled"), out["b"]
-        return out["b"].status == "completed"
-
-    wait_for(done, f"batch {batch_id} to complete", timeout=timeout, interval=0.2)
-    b = out["b"]
-    assert b.request_counts.completed == LINES and b.request_counts.failed == 0, b
-    ids = [json.loads(x)["custom_id"] for x in g.client().files.content(b.output_file_id).text.splitlines()]
-    assert sorted(ids) == sorted(f"c{i}" for i in range(LINES))  # every line once
-    return b
-
-
-def test_an_owner_stalled_past_its_lease_stores_nothing_and_starts_no_line_after(gateways, tmp_path):
-    data = tmp_path / "data"
-    batch_id = _submit(gateways[0])
+def _running(pair: list[Gateway], data: Path, batch_id: str) -> tuple[Gateway, Gateway, dict]:
+    """Once the batch's owner has answered 12 lines: (the owner, the other, the batch's row)."""
     state = {}
 
     def running() -> bool:
         state["row"] = _row(data, batch_id)
-        return state["row"]["done"] >= 12 and _owner(gateways, state["row"]) is not None
+        return state["row"]["done"] >= 12 and _owner(pair, state["row"]) is not None
 
     wait_for(running, "12 lines answered by the batch's owner", timeout=60, interval=0.05)
-    owner = _owner(gateways, state["row"])
-    other = next(g for g in gateways if g is not owner)
-    epoch = state["row"]["epoch"]
+    owner = _owner(pair, state["row"])
+    return owner, next(g for g in pair if g is not owner), state["row"]
+
+
+def test_an_owner_stalled_past_its_lease_stores_nothing_and_starts_no_line_after(gateways, tmp_path):
+    data = tmp_path / "data"
+    batch_id = submit(gateways[0].client(), LINES_)
+    owner, other, row = _running(gateways, data, batch_id)
+    epoch = row["epoch"]
+    state = {}
     os.kill(owner.proc.pid, signal.SIGSTOP)
     stalled = _row(data, batch_id)
 
@@ -152,7 +136,7 @@ def test_an_owner_stalled_past_its_lease_stores_nothing_and_starts_no_line_after
     assert state["row"]["epoch"] > epoch  # a new claim, a new epoch
     resumed_at = time.time()
     os.kill(owner.proc.pid, signal.SIGCONT)
-    _completed(other, batch_id)
+    completed(other.client(), batch_id, LINES)
     for g in gateways:
         assert g.terminate() == 0, g.log.read_text()[-3000:]
     late = sorted(t - resumed_at for rid, t in owner.served().items() if batch_id in rid and t >= resumed_at)
@@ -166,20 +150,12 @@ def test_an_owner_stalled_past_its_lease_stores_nothing_and_starts_no_line_after
 
 def test_a_drained_owner_hands_the_batch_to_the_other_process_at_once(gateways, tmp_path):
     data = tmp_path / "data"
-    batch_id = _submit(gateways[0])
-    state = {}
-
-    def running() -> bool:
-        state["row"] = _row(data, batch_id)
-        return state["row"]["done"] >= 12 and _owner(gateways, state["row"]) is not None
-
-    wait_for(running, "12 lines answered by the batch's owner", timeout=60, interval=0.05)
-    owner = _owner(gateways, state["row"])
-    other = next(g for g in gateways if g is not owner)
+    batch_id = submit(gateways[0].client(), LINES_)
+    owner, other, _ = _running(gateways, data, batch_id)
     assert owner.terminate() == 0, owner.log.read_text()[-3000:]
     row = _row(data, batch_id)
     assert row["status"] == "in_progress" and row["done"] < LINES, row  # not finalized with lines pending
-    _completed(other, batch_id)
+    completed(other.client(), batch_id, LINES)
     assert other.terminate() == 0, other.log.read_text()[-3000:]
     by_owner = {rid for rid in owner.served() if batch_id in rid}
     by_other = {rid for rid in other.served() if batch_id in rid}

@@ -23,7 +23,6 @@ Nothing of any pod outlives the test.
 
 Independent of the session's shared stack: its own namespaces, ports, Ray cluster and data."""
 
-import json
 import os
 import shutil
 import sys
@@ -36,6 +35,7 @@ import pytest
 import yaml
 
 from tandem_core.config import DEFAULT_CONFIG, REPO_ROOT
+from tests.batches import answered, chat_lines, completed, submit
 from tests.integration.pods import Network, Pod
 from tests.waiting import wait_for
 
@@ -252,35 +252,15 @@ def test_head_and_worker_pods_serve_and_survive_the_worker(cluster):
     # a worker whose head went away: its Ray node dies with the GCS). A new head pod on the same
     # state volume, and a new worker, finish the batch: every line once.
     client = c.client()
-    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": MODELS[0], "max_tokens": 128, "temperature": 0, "ignore_eos": True,
-                       "messages": [{"role": "user", "content": f"Count to {i}."}]}} for i in range(BATCH_LINES)]
-    f = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
-                            purpose="batch")
-    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-    done = {}
-
-    def some_done() -> bool:
-        done["n"] = client.batches.retrieve(batch.id).request_counts.completed
-        return done["n"] >= 8
-
-    wait_for(some_done, "8 batch lines answered", timeout=300, interval=0.2)
+    batch_id = submit(client, chat_lines(BATCH_LINES, MODELS[0], max_tokens=128, temperature=0, ignore_eos=True))
+    done = answered(client, batch_id, 8)
     head.kill()
     worker.kill()
-    assert done["n"] < BATCH_LINES, "the batch finished before the head was killed: nothing was tested"
+    assert done < BATCH_LINES, "the batch finished before the head was killed: nothing was tested"
     head, worker = c.head(), c.worker()
     took = _wait_serving(c, [head, worker], "both models back behind a new head pod")
     print(f"a new head pod served {took:.0f} s after it started")
-
-    def completed() -> bool:
-        done["b"] = c.client().batches.retrieve(batch.id)
-        assert done["b"].status not in ("failed", "expired", "cancelled"), done["b"]
-        return done["b"].status == "completed"
-
-    wait_for(completed, "the batch to complete behind the new head pod", timeout=900, interval=1)
-    assert done["b"].request_counts.completed == BATCH_LINES and done["b"].request_counts.failed == 0
-    ids = [json.loads(x)["custom_id"] for x in c.client().files.content(done["b"].output_file_id).text.splitlines()]
-    assert sorted(ids) == sorted(x["custom_id"] for x in lines)
+    completed(c.client(), batch_id, BATCH_LINES)
 
     # The head stopped as the kubelet stops a container: SIGTERM to its command. The gateway drains
     # and exits 0, then Ray stops: nothing of the pod is left. (The worker pod goes in the teardown.)

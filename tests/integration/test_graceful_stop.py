@@ -14,21 +14,18 @@ Its own stack: it is the stack's stop that is under test."""
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import yaml
 
-from tests.integration.stack import ENGINE_ARGS, READY_TIMEOUT_S, REPO, running_stack, stop
+from tests.batches import answered, chat_lines, completed, submit
+from tests.integration.stack import ENGINE_ARGS, READY_TIMEOUT_S, REPO, launch_config, running_stack, stop
 from tests.unit.gateway_server import free_port
 from tests.waiting import wait_for
 
@@ -89,30 +86,14 @@ class Stream(threading.Thread):
 
 def test_sigterm_mid_batch_and_mid_stream_loses_nothing(tmp_path):
     config = _config(tmp_path)
-    url = f"http://127.0.0.1:{config['gateway']['port']}"
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(yaml.safe_dump(config))
-    log = tmp_path / "first.log"
-    proc = subprocess.Popen([sys.executable, "-m", "tandem_tools.cli", "serve", "--config", str(cfg)],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO, process_group=0)
+    proc, first = launch_config(config, tmp_path, "first.log")
+    url, log = first.url, first.log
+    streams: list[Stream] = []
     try:
-        def ready() -> bool:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                return httpx.get(url + "/ready", timeout=2).json().get("all_ready", False)
-            except (httpx.HTTPError, ValueError):
-                return False
-
-        wait_for(ready, "tandem serve to be ready", timeout=READY_TIMEOUT_S, interval=1)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-                  "body": {"model": "tiny-llama", "max_tokens": 256, "temperature": 0, "ignore_eos": True,
-                           "messages": [{"role": "user", "content": f"Count to {i}."}]}} for i in range(LINES)]
-        f = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
-                                purpose="batch")
-        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-        wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 16, "16 lines answered",
-                 timeout=300, interval=0.2)
+        lines = chat_lines(LINES, "tiny-llama", max_tokens=256, temperature=0, ignore_eos=True)
+        batch_id = submit(client, lines)
+        answered(client, batch_id, 16)
         streams = [Stream(url, model, i) for model, n in STREAMS.items() for i in range(n)]
         for s in streams:
             s.start()
@@ -141,8 +122,8 @@ def test_sigterm_mid_batch_and_mid_stream_loses_nothing(tmp_path):
     assert all(s.text for s in streams)
 
     db = sqlite3.connect(tmp_path / "data" / "tandem.db")
-    status, owner = db.execute("SELECT status, owner FROM batches WHERE id=?", (batch.id,)).fetchone()
-    states = dict(db.execute("SELECT state, COUNT(*) FROM lines WHERE batch_id=? GROUP BY state", (batch.id,)))
+    status, owner = db.execute("SELECT status, owner FROM batches WHERE id=?", (batch_id,)).fetchone()
+    states = dict(db.execute("SELECT state, COUNT(*) FROM lines WHERE batch_id=? GROUP BY state", (batch_id,)))
     db.close()
     print(f"after the stop: batch {status}, lines {states}")
     assert status == "in_progress" and owner is None, (status, owner)  # not finalized; released at once
@@ -150,20 +131,6 @@ def test_sigterm_mid_batch_and_mid_stream_loses_nothing(tmp_path):
     assert states.get("pending", 0) > 0, f"every line finished before the stop: nothing was tested ({states})"
 
     with running_stack({**config, "gateway": {**config["gateway"], "port": free_port()}}, tmp_path) as s:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
-        state = {}
-
-        def completed() -> bool:
-            state["b"] = client.batches.retrieve(batch.id)
-            assert state["b"].status not in ("failed", "expired", "cancelled"), state["b"]
-            return state["b"].status == "completed"
-
-        wait_for(completed, "the resumed batch to complete", timeout=900, interval=1)
-        b = state["b"]
-        assert b.request_counts.completed == LINES and b.request_counts.failed == 0, b
+        b = completed(s.client(timeout=300), batch_id, LINES)
         assert b.error_file_id is None
-        output = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
-        ids = [o["custom_id"] for o in output]
-        assert len(ids) == LINES and set(ids) == {x["custom_id"] for x in lines}
         assert _served_lines(s.url) <= states["pending"]  # what was answered before the stop was not redone
-

@@ -7,7 +7,6 @@ line whose replica was removed is served again; a batch whose key was removed ru
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import openai
@@ -16,10 +15,10 @@ import pytest
 from gateway import batch_runner
 from gateway.batch_store import BatchStore, Line
 from tandem_core.errors import ErrorKind, TandemError
+from tests.batches import finished, lines_of, submit
 from tests.unit.gateway_server import fake_gateway
 from tests.waiting import wait_for
 
-FINAL = ("completed", "failed", "expired", "cancelled")
 KEY = "sk-batch-0123456789abcdef"
 
 
@@ -34,24 +33,7 @@ def _line(i: int, **body) -> dict:
 
 
 def _submit(client: openai.OpenAI, n: int, **body) -> str:
-    data = "".join(json.dumps(_line(i, **body)) + "\n" for i in range(n)).encode()
-    f = client.files.create(file=("in.jsonl", data), purpose="batch")
-    return client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id
-
-
-def _finished(client: openai.OpenAI, batch_id: str, timeout: float = 60):
-    out = {}
-
-    def done() -> bool:
-        out["b"] = client.batches.retrieve(batch_id)
-        return out["b"].status in FINAL
-
-    wait_for(done, f"batch {batch_id} to finish", timeout=timeout, interval=0.1)
-    return out["b"]
-
-
-def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
-    return [] if file_id is None else [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+    return submit(client, [_line(i, **body) for i in range(n)])
 
 
 def _store_batch(store: BatchStore, n: int) -> str:
@@ -124,9 +106,9 @@ def test_a_drain_leaves_unfinished_lines_pending_and_the_next_process_completes_
     assert counts["failed"] == 0 and 8 <= counts["completed"] < n and pending == n - counts["completed"]
     with _gateway(tmp_path, engine, lines_in_flight=4) as (url, _, deployment):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        batch = _finished(client, batch_id)
+        batch = finished(client, batch_id)
         assert batch.status == "completed" and batch.request_counts.completed == n and batch.request_counts.failed == 0
-        ids = [o["custom_id"] for o in _lines(client, batch.output_file_id)]
+        ids = [o["custom_id"] for o in lines_of(client, batch.output_file_id)]
         assert sorted(ids) == sorted(f"c{i}" for i in range(n))
         (engine_after,) = deployment.engines.values()
         assert len(engine_after.served) == pending  # only what was pending ran again
@@ -143,10 +125,10 @@ def test_a_line_whose_task_raises_is_an_error_line_counted_as_failed(tmp_path, m
     monkeypatch.setattr(batch_runner, "serve", serve)
     with _gateway(tmp_path) as (url, service, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        batch = _finished(client, _submit(client, 6))
+        batch = finished(client, _submit(client, 6))
         assert batch.status == "completed" and batch.request_counts.completed == 5
         assert batch.request_counts.failed == 1
-        (err,) = _lines(client, batch.error_file_id)
+        (err,) = lines_of(client, batch.error_file_id)
         assert err["custom_id"] == "c3" and err["response"]["status_code"] == 500
         request_id = err["response"]["request_id"]
         assert request_id == f"{batch.id}-3" and request_id in err["response"]["body"]["error"]["message"]
@@ -170,7 +152,7 @@ def test_a_line_whose_replica_was_removed_is_served_again(tmp_path, monkeypatch)
     monkeypatch.setattr(batch_runner, "serve", serve)
     with _gateway(tmp_path) as (url, _, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        batch = _finished(client, _submit(client, 6))
+        batch = finished(client, _submit(client, 6))
         assert len(failed) == 2
         assert batch.status == "completed" and batch.request_counts.completed == 6, batch
 
@@ -186,8 +168,8 @@ def test_a_batch_whose_key_was_removed_fails_its_lines_with_401(tmp_path):
     other = {"auth": {"api_keys": [{"key": "sk-other-0123456789abcdef", "name": "other", "role": "admin"}]}}
     with _gateway(tmp_path, extra=other) as (url, _, deployment):
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-other-0123456789abcdef", max_retries=0)
-        batch = _finished(client, batch_id)
+        batch = finished(client, batch_id)
         assert batch.request_counts.failed == 3 and batch.request_counts.completed == 0
-        assert {e["response"]["status_code"] for e in _lines(client, batch.error_file_id)} == {401}
+        assert {e["response"]["status_code"] for e in lines_of(client, batch.error_file_id)} == {401}
         (engine,) = deployment.engines.values()
         assert engine.served == []

@@ -12,10 +12,9 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from gateway.batch_store import BatchStore, Line
+from tests.batches import finished, jsonl, lines_of
 from tests.unit.gateway_server import fake_gateway
 from tests.waiting import wait_for
-
-FINAL = ("completed", "failed", "expired", "cancelled")
 
 
 def _gateway(tmp_path, engine: dict | None = None, **batches):
@@ -31,27 +30,6 @@ def _line(i: int, url: str = "/v1/chat/completions", **body) -> dict:
     return {"custom_id": f"c{i}", "method": "POST", "url": url, "body": payload}
 
 
-def _jsonl(items) -> bytes:
-    return "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in items).encode()
-
-
-def _finished(client: openai.OpenAI, batch_id: str, timeout: float = 60):
-    out = {}
-
-    def done() -> bool:
-        out["b"] = client.batches.retrieve(batch_id)
-        return out["b"].status in FINAL
-
-    wait_for(done, f"batch {batch_id} to finish", timeout=timeout, interval=0.1)
-    return out["b"]
-
-
-def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
-    if file_id is None:
-        return []
-    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
-
-
 def test_a_batch_runs_through_the_sdk_with_bad_lines_in_the_error_file(tmp_path):
     with _gateway(tmp_path) as (url, _, deployment):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -61,17 +39,17 @@ def test_a_batch_runs_through_the_sdk_with_bad_lines_in_the_error_file(tmp_path)
                json.dumps({**_line(98), "custom_id": "no-model", "body": {"model": "nope", "messages": []}}),
                json.dumps({**_line(97), "custom_id": "streams", "body": {**_line(97)["body"], "stream": True}}),
                json.dumps(_line(0))]  # a duplicate custom_id
-        f = client.files.create(file=("in.jsonl", _jsonl([*good, *bad])), purpose="batch")
+        f = client.files.create(file=("in.jsonl", jsonl([*good, *bad])), purpose="batch")
         assert f.purpose == "batch" and f.bytes > 0 and client.files.retrieve(f.id).id == f.id
         batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
                                       metadata={"job": "t1"})
         assert batch.status == "validating" and batch.metadata == {"job": "t1"}
-        batch = _finished(client, batch.id)
+        batch = finished(client, batch.id)
         assert batch.status == "completed", batch
         assert batch.request_counts.total == 17 and batch.request_counts.completed == 12
         assert batch.request_counts.failed == 5
         assert all(getattr(batch, f"{s}_at") for s in ("in_progress", "finalizing", "completed"))
-        output, errors = _lines(client, batch.output_file_id), _lines(client, batch.error_file_id)
+        output, errors = lines_of(client, batch.output_file_id), lines_of(client, batch.error_file_id)
         assert sorted(o["custom_id"] for o in output) == sorted(g["custom_id"] for g in good)
         for o in output:
             assert o["response"]["status_code"] == 200 and o["error"] is None
@@ -97,11 +75,11 @@ def test_completions_lines_and_bad_requests_answered_by_the_engine(tmp_path):
     with _gateway(tmp_path) as (url, _, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         lines = [_line(i, "/v1/completions") for i in range(3)] + [_line(3, "/v1/completions", max_tokens=-1)]
-        f = client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
-        batch = _finished(client, client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+        f = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+        batch = finished(client, client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
                                                         completion_window="24h").id)
         assert batch.status == "completed" and batch.request_counts.completed == 3
-        (err,) = _lines(client, batch.error_file_id)
+        (err,) = lines_of(client, batch.error_file_id)
         assert err["custom_id"] == "c3" and err["response"]["status_code"] == 400
         assert err["response"]["body"]["error"]["param"] == "max_tokens"
 
@@ -112,14 +90,14 @@ def test_bad_files_and_bad_batches(tmp_path):
 
         def run(data: bytes):
             f = client.files.create(file=("in.jsonl", data), purpose="batch")
-            return _finished(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+            return finished(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                                            completion_window="24h").id)
 
         for data, code in ((b"", "empty_file"), (b"\xff\xfe\x00", "invalid_file"),
-                           (_jsonl([_line(i) for i in range(4)]), "too_many_lines")):
+                           (jsonl([_line(i) for i in range(4)]), "too_many_lines")):
             b = run(data)
             assert b.status == "failed" and b.failed_at and b.errors.data[0].code == code, b
-        f = client.files.create(file=("in.jsonl", _jsonl([_line(0)])), purpose="batch")
+        f = client.files.create(file=("in.jsonl", jsonl([_line(0)])), purpose="batch")
         for kw, param in (({"endpoint": "/v1/nope"}, "endpoint"), ({"completion_window": "soon"}, "completion_window"),
                           ({"input_file_id": "file-missing"}, "file_id")):
             args = {"input_file_id": f.id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **kw}
@@ -134,27 +112,27 @@ def test_bad_files_and_bad_batches(tmp_path):
 def test_cancel_ends_cancelled_with_the_finished_lines(tmp_path):
     with _gateway(tmp_path, {"num_tokens": 10, "token_delay_s": 0.05}, lines_in_flight=2) as (url, _, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        f = client.files.create(file=("in.jsonl", _jsonl([_line(i) for i in range(40)])), purpose="batch")
+        f = client.files.create(file=("in.jsonl", jsonl([_line(i) for i in range(40)])), purpose="batch")
         batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
         wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2, "two lines done")
         t0 = time.monotonic()
         assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
-        batch = _finished(client, batch.id, timeout=10)
+        batch = finished(client, batch.id, timeout=10)
         assert batch.status == "cancelled" and batch.cancelling_at and batch.cancelled_at
         assert time.monotonic() - t0 < 5
         done = batch.request_counts.completed
-        assert 2 <= done < 40 and len(_lines(client, batch.output_file_id)) == done
+        assert 2 <= done < 40 and len(lines_of(client, batch.output_file_id)) == done
         assert client.batches.cancel(batch.id).status == "cancelled"  # again: answered as it is
 
 
 def test_a_batch_past_its_window_expires_keeping_its_finished_lines(tmp_path):
     with _gateway(tmp_path, {"num_tokens": 10, "token_delay_s": 0.05}, lines_in_flight=1) as (url, _, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        f = client.files.create(file=("in.jsonl", _jsonl([_line(i) for i in range(30)])), purpose="batch")
-        batch = _finished(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+        f = client.files.create(file=("in.jsonl", jsonl([_line(i) for i in range(30)])), purpose="batch")
+        batch = finished(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                                         completion_window="2s").id, timeout=20)
         assert batch.status == "expired" and batch.expired_at
-        output, errors = _lines(client, batch.output_file_id), _lines(client, batch.error_file_id)
+        output, errors = lines_of(client, batch.output_file_id), lines_of(client, batch.error_file_id)
         assert 1 <= len(output) < 30 and {e["error"]["code"] for e in errors} == {"batch_expired"}
         assert sorted(x["custom_id"] for x in output + errors) == sorted(f"c{i}" for i in range(30))
 
@@ -165,7 +143,7 @@ def test_a_batch_left_in_any_state_by_a_dead_process_is_taken_over(tmp_path, sta
     the lease lapses and ends it; a line answered before the crash is neither redone nor doubled."""
     store = BatchStore(tmp_path / "data")
     lines = [_line(i) for i in range(6)]
-    f = store.add_file(_jsonl(lines), "batch", "in.jsonl", None)
+    f = store.add_file(jsonl(lines), "batch", "in.jsonl", None)
     b = store.add_batch(endpoint="/v1/chat/completions", input_file_id=f["id"], completion_window="24h",
                         window_s=86400, metadata=None, output_expires_s=None, tenant=None, key=None)
     assert list(store.claim("dead-process", lease_s=0.5)) == [b["id"]]
@@ -184,9 +162,9 @@ def test_a_batch_left_in_any_state_by_a_dead_process_is_taken_over(tmp_path, sta
     store.close()
     with _gateway(tmp_path) as (url, _, deployment):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        batch = _finished(client, b["id"])
+        batch = finished(client, b["id"])
         assert batch.status == ("cancelled" if state == "cancelling" else "completed"), batch
-        output = _lines(client, batch.output_file_id)
+        output = lines_of(client, batch.output_file_id)
         ids = [o["custom_id"] for o in output]
         assert len(ids) == len(set(ids))
         ran = len(next(iter(deployment.engines.values())).priorities)
@@ -221,7 +199,7 @@ def test_run_batch_against_a_running_tandem_mixes_endpoints_in_input_order(tmp_p
     with _gateway(tmp_path) as (url, _, _):
         lines = [_line(0), _line(1, "/v1/completions"), "not json", _line(2), _line(3, "/v1/completions")]
         src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-        src.write_bytes(_jsonl(lines))
+        src.write_bytes(jsonl(lines))
         assert cli.main(["run-batch", "-i", str(src), "-o", str(out), "--url", url]) == 0
         answers = [json.loads(x) for x in out.read_text().splitlines()]
         assert [a["custom_id"] for a in answers] == ["c0", "c1", None, "c2", "c3"]

@@ -220,7 +220,7 @@ def test_a_request_not_sampled_is_served_and_leaves_no_span(traced):
 def test_capture_content_records_a_streams_output_too():
     """observability.capture_content (issue 50: a stream's output was not recorded): a streamed
     chat's joined text per choice is its span's gen_ai.output.messages, as a whole answer's is."""
-    from gateway.generate import _note_text
+    from gateway.tracing import note_stream_text as _note_text
 
     texts: dict[int, str] = {}
     _note_text(texts, 'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n')
