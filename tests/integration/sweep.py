@@ -18,12 +18,24 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
                                                         "required": ["city"]}}}
 
 
+def _body(kw: dict, knobs: dict | None) -> dict:
+    """``kw`` with ``knobs`` (extra body fields, e.g. a diffusion model's ``diffusion`` knobs) merged
+    into its ``extra_body`` (the ``diffusion`` object field by field)."""
+    if not knobs:
+        return kw
+    extra = dict(kw.get("extra_body") or {})
+    for name, value in knobs.items():
+        extra[name] = {**value, **extra.get(name, {})} if isinstance(value, dict) else extra.get(name, value)
+    return {**kw, "extra_body": extra}
+
+
 def _usage_adds_up(u, max_tokens: int) -> None:
     assert u.prompt_tokens > 0 and 0 <= u.completion_tokens <= max_tokens, u
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens, u
 
 
-def chat(client: openai.OpenAI, model: str, **kw) -> None:
+def chat(client: openai.OpenAI, model: str, knobs: dict | None = None, **kw) -> None:
+    kw = _body(kw, knobs)
     r = client.chat.completions.create(model=model, messages=MSGS, max_tokens=8, **kw)
     assert r.object == "chat.completion" and r.model == model and len(r.choices) == 1
     assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason in FINISH
@@ -36,8 +48,10 @@ def chat(client: openai.OpenAI, model: str, **kw) -> None:
     _usage_adds_up(chunks[-1].usage, 8)
 
 
-def completions(client: openai.OpenAI, model: str, prompt, stream: bool, max_tokens: int = 6, **kw) -> list[str]:
+def completions(client: openai.OpenAI, model: str, prompt, stream: bool, max_tokens: int = 6,
+                knobs: dict | None = None, **kw) -> list[str]:
     """One completion request (``prompt`` any of OpenAI's forms); the choices' texts."""
+    kw = _body(kw, knobs)
     n = len(prompt) if isinstance(prompt, list) and isinstance(prompt[0], list | str) else 1
     if not stream:
         r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, **kw)
@@ -58,28 +72,30 @@ def completions(client: openai.OpenAI, model: str, prompt, stream: bool, max_tok
     return texts
 
 
-def completion_forms(client: openai.OpenAI, model: str, token_ids: list[int]) -> None:
+def completion_forms(client: openai.OpenAI, model: str, token_ids: list[int], knobs: dict | None = None) -> None:
     """Completions: text, a list of texts, token ids, lists of token ids, and ``echo`` with
     ``logprobs`` (lm-eval's scoring request), streamed and not."""
     for stream in (False, True):
-        completions(client, model, "Once upon a time", stream)
-        completions(client, model, ["Once upon a time", "The river"], stream)
-        completions(client, model, token_ids, stream)
-        completions(client, model, [token_ids, token_ids[:2]], stream)
+        completions(client, model, "Once upon a time", stream, knobs=knobs)
+        completions(client, model, ["Once upon a time", "The river"], stream, knobs=knobs)
+        completions(client, model, token_ids, stream, knobs=knobs)
+        completions(client, model, [token_ids, token_ids[:2]], stream, knobs=knobs)
         (text,) = completions(client, model, "Once upon a time", stream, max_tokens=1, echo=True, logprobs=1,
-                              temperature=0)
+                              temperature=0, knobs=knobs)
         assert text.startswith("Once upon a time"), text
-    r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=1, echo=True, logprobs=1)
+    r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=1, echo=True, logprobs=1,
+                                  **_body({}, knobs))
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) >= 2 and lp.token_logprobs[0] is None  # the first: no context
 
 
-def responses(client: openai.OpenAI, model: str) -> None:
-    r = client.responses.create(model=model, input="Tell me about the river.", max_output_tokens=8)
+def responses(client: openai.OpenAI, model: str, knobs: dict | None = None) -> None:
+    kw = _body({}, knobs)
+    r = client.responses.create(model=model, input="Tell me about the river.", max_output_tokens=8, **kw)
     assert r.object == "response" and r.status in ("completed", "incomplete") and isinstance(r.output_text, str)
     assert r.usage.input_tokens > 0 and r.usage.output_tokens <= 8
     events = list(client.responses.create(model=model, input="Tell me about the river.", max_output_tokens=8,
-                                          stream=True))
+                                          stream=True, **kw))
     assert events[0].type == "response.created"
     assert events[-1].type in ("response.completed", "response.incomplete")
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -99,34 +115,36 @@ def messages(client: anthropic.Anthropic, model: str, **kw) -> None:
     assert final.usage.input_tokens == m.usage.input_tokens
 
 
-def seed_canvas(client: openai.OpenAI, model: str, token_ids: list[int]) -> None:
+def seed_canvas(client: openai.OpenAI, model: str, token_ids: list[int], knobs: dict | None = None) -> None:
     """The diffusion extension: a seed canvas with pinned positions, on chat and completions."""
-    knobs = {"diffusion": {"seed_canvas": token_ids, "pinned": [0, len(token_ids) - 1]}}
+    kw = _body({"extra_body": {"diffusion": {"seed_canvas": token_ids, "pinned": [0, len(token_ids) - 1]}}}, knobs)
     for stream in (False, True):
-        completions(client, model, "Once upon a time", stream, extra_body=knobs)
+        completions(client, model, "Once upon a time", stream, **kw)
         if not stream:
-            r = client.chat.completions.create(model=model, messages=MSGS, max_tokens=8, extra_body=knobs)
+            r = client.chat.completions.create(model=model, messages=MSGS, max_tokens=8, **kw)
             assert r.choices[0].finish_reason in FINISH
         else:
             chunks = list(client.chat.completions.create(model=model, messages=MSGS, max_tokens=8, stream=True,
-                                                         extra_body=knobs))
+                                                         **kw))
             assert any(c.choices and c.choices[0].finish_reason in FINISH for c in chunks)
 
 
-def every_route(url: str, model: str, token_ids: list[int], diffusion: bool, tools: bool) -> None:
+def every_route(url: str, model: str, token_ids: list[int], diffusion: bool, tools: bool,
+                knobs: dict | None = None) -> None:
     """The sweep on ``model``: chat, completions' forms, Responses, Anthropic Messages (``tools``:
     also with a tool and ``tool_choice`` auto, for a model with a tool parser), and on a
-    diffusion model a pinned seed canvas."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
-    chat(client, model)
-    completion_forms(client, model, token_ids)
-    responses(client, model)
+    diffusion model a pinned seed canvas. ``knobs``: extra body fields of the OpenAI routes (a
+    model at DiffusionGemma's real shape on a CPU: fewer denoising steps); Messages takes none."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=900)
+    chat(client, model, knobs)
+    completion_forms(client, model, token_ids, knobs)
+    responses(client, model, knobs)
     messages(claude, model)
     messages(claude, model, stop_sequences=["the", "a"], extra_body={"temperature": 0.5})  # (the SDK dropped it)
     if tools:
-        chat(client, model, tools=[TOOL], tool_choice="auto")
+        chat(client, model, knobs, tools=[TOOL], tool_choice="auto")
         messages(claude, model, tools=[{"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}],
                  tool_choice={"type": "auto"})
     if diffusion:
-        seed_canvas(client, model, token_ids)
+        seed_canvas(client, model, token_ids, knobs)
