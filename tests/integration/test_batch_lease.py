@@ -33,7 +33,7 @@ from tests.integration.stack import REPO, stop
 from tests.unit.gateway_server import free_port
 from tests.waiting import wait_for
 
-LINES = 120
+LINES = 200  # ~12 s of work at 4 lines at once
 IN_FLIGHT = 4
 LEASE_S, POLL_S = 3.0, 0.5
 ENGINE = {"num_tokens": 5, "token_delay_s": 0.05}  # a line takes ~0.25 s

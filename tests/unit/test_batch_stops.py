@@ -90,8 +90,8 @@ def test_a_drain_leaves_unfinished_lines_pending_and_the_next_process_completes_
     finish, the batch stays in progress with lines pending (never finalized with lines missing);
     the next process on the same data dir completes it with every custom_id once, none failed."""
     n = 60
-    engine = {"num_tokens": 5, "token_delay_s": 0.02}
-    with _gateway(tmp_path, engine, lines_in_flight=4) as (url, service, _):
+    engine = {"num_tokens": 5, "token_delay_s": 0.05}  # 0.25 s a line, 2 at once: ~8 s for the batch
+    with _gateway(tmp_path, engine, lines_in_flight=2) as (url, service, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         batch_id = _submit(client, n)
         wait_for(lambda: client.batches.retrieve(batch_id).request_counts.completed >= 8, "8 lines done")
@@ -104,7 +104,7 @@ def test_a_drain_leaves_unfinished_lines_pending_and_the_next_process_completes_
     store.close()
     assert row["status"] == "in_progress" and row["owner"] is None  # released for the next process at once
     assert counts["failed"] == 0 and 8 <= counts["completed"] < n and pending == n - counts["completed"]
-    with _gateway(tmp_path, engine, lines_in_flight=4) as (url, _, deployment):
+    with _gateway(tmp_path, engine, lines_in_flight=2) as (url, _, deployment):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         batch = finished(client, batch_id)
         assert batch.status == "completed" and batch.request_counts.completed == n and batch.request_counts.failed == 0
