@@ -11,7 +11,8 @@ tool parser gets tools with ``tool_choice`` auto too, a diffusion model a pinned
 lm-eval's ``local-completions`` (loglikelihood and generation tasks) runs against the default
 config's diffusion model, whose tool and reasoning parsers are set.
 
-``configs/diffusion-shape.yaml`` (DiffusionGemma's real shape on a CPU, ~20 s a request) and
+``configs/diffusion-shape.yaml`` (DiffusionGemma's real shape on a CPU: ~15 s a request at the
+sweep's 2 steps a block, ~4 min a Messages request at the model's 48) and
 ``configs/qwen-gpu.yaml`` (GPU nodes) are not served here: the shape config's models get the same
 sweep from ``TANDEM_TEST_SHAPE_SWEEP=1`` (a run of its own, minutes), and CI leaves it out.
 
@@ -58,6 +59,7 @@ def _generating(config: dict) -> list[tuple[str, dict]]:
     return out
 
 
+@pytest.mark.timeout(3600)  # the shape config's exact sampler: ~4 min a Messages request (48 steps a block)
 def test_every_generating_route_answers_on_every_model(shipped):
     names = [name for name, _ in _generating(shipped.config)]
     assert names, shipped.config
