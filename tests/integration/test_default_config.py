@@ -11,10 +11,12 @@ tool parser gets tools with ``tool_choice`` auto too, a diffusion model a pinned
 lm-eval's ``local-completions`` (loglikelihood and generation tasks) runs against the default
 config's diffusion model, whose tool and reasoning parsers are set.
 
-``configs/diffusion-shape.yaml`` (DiffusionGemma's real shape on a CPU: ~15 s a request at the
-sweep's 2 steps a block, ~4 min a Messages request at the model's 48) and
-``configs/qwen-gpu.yaml`` (GPU nodes) are not served here: the shape config's models get the same
-sweep from ``TANDEM_TEST_SHAPE_SWEEP=1`` (a run of its own, minutes), and CI leaves it out.
+CI serves ``configs/default.yaml``. ``configs/adapters.yaml`` gets the same sweep with
+``TANDEM_TEST_ALL_CONFIGS=1`` (it passed, 2.5 min; out of CI until the stacks are shared, issue 52:
+CI is over its budget), and ``configs/diffusion-shape.yaml`` (DiffusionGemma's real shape on a
+CPU: ~15 s a request at the sweep's 2 steps a block, ~4 min a Messages request at the model's 48)
+with ``TANDEM_TEST_SHAPE_SWEEP=1`` (a run of its own, tens of minutes). ``configs/qwen-gpu.yaml``
+needs GPU nodes.
 
 Its own stacks: each config is what is under test, so none can join the shared stack; one config
 is served at a time (module-scoped, parametrized), the batch store in a temporary XDG_STATE_HOME.
@@ -31,7 +33,9 @@ from tests.integration.evals import check_local_completions, write_tasks
 from tests.integration.stack import REPO, serving
 from tests.unit.gateway_server import free_port
 
-CONFIGS = {"default": [], "adapters": ["--config", "configs/adapters.yaml"]}
+CONFIGS = {"default": []}
+if os.environ.get("TANDEM_TEST_ALL_CONFIGS") == "1":  # (CI's time: see the module's docstring)
+    CONFIGS["adapters"] = ["--config", "configs/adapters.yaml"]
 if os.environ.get("TANDEM_TEST_SHAPE_SWEEP") == "1":
     CONFIGS["diffusion-shape"] = ["--config", "configs/diffusion-shape.yaml"]
 TOKEN_IDS = [300, 301, 302]  # ordinary tokens of both tiny tokenizers (and of the shape model's)
