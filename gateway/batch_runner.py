@@ -249,10 +249,11 @@ class BatchRunner:
         this process drains."""
         if self.stopping and not draining_ok:
             return True
-        if not await self._db(self.store.holds, batch_id, fence):
+        status = await self._db(self.store.held_status, batch_id, fence)  # one read: held, and its status
+        if status is None:
             logger.warning("batch %s: this process no longer holds its lease; stopping it", batch_id)
             return True
-        return (await self._db(self.store.batch, batch_id))["status"] != "in_progress" or time.time() >= expires_at
+        return status != "in_progress" or time.time() >= expires_at
 
     async def _serve_line(self, batch_id: str, route: str, key, line: Line, expires_at: int, fence: Fence) -> None:
         body = line.request["body"]

@@ -222,6 +222,16 @@ class BatchStore:
                 f"SELECT id, epoch FROM batches WHERE owner=? AND {active} ORDER BY created_at, rowid",
                 (owner, *ACTIVE))}
 
+    @_locked
+    def held_status(self, batch_id: str, fence: Fence, now: float | None = None) -> str | None:
+        """The batch's status if the runner of ``fence`` still holds it (as ``holds``), else None:
+        one read for a runner's check before each line."""
+        now = time.time() if now is None else now
+        row = self.db.execute("SELECT status FROM batches WHERE id=? AND owner=? AND epoch=? AND lease_until >= ?",
+                              (batch_id, *fence, now)).fetchone()
+        return row["status"] if row is not None else None
+
+    @_locked
     def holds(self, batch_id: str, fence: Fence, now: float | None = None) -> bool:
         """Whether the runner of ``fence`` still holds the batch: its owner and epoch, and a lease
         not lapsed (a runner that stalled past it stops, even before another takes the batch)."""
