@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from gateway.auth import resolve_keys
+from gateway.admission.keys import resolve_keys
 from tandem_core.config import DEFAULT_CONFIG, TandemConfig
 from workers.registry import validate_engine_args
 

@@ -20,8 +20,8 @@ out of rotation (its channel breaks), and waits for the owner to bring it back. 
 nodes, ``tandem serve --attach`` on each other node runs the same attached code path against
 the cluster (``ray.address``).
 
-Shared between the processes: per-key rate limits (``gateway/shared_limits.py``, a file mapped
-in memory by every process), admission (``gateway/shared_admission.py``: each model's slots, its
+Shared between the processes: per-key rate limits (``gateway/admission/shared_limits.py``, a file mapped
+in memory by every process), admission (``gateway/admission/shared.py``: each model's slots, its
 tenants' fair shares, who waits first) and metrics (prometheus_client's multiprocess mode).
 """
 
@@ -77,22 +77,22 @@ def child_main(config: TandemConfig, make_deployment: Callable[..., Any], sock: 
     ``replacement`` (of a process that died) accepts connections only once its replicas are
     ready: the live processes take them meanwhile."""
     _die_with_parent()
-    from gateway.logs import setup_logging
+    from gateway.observability.logs import setup_logging
 
     setup_logging(log_level, log_format, access_log=access_log, prefix={"gateway_process": index},
                   text_format=f"%(asctime)s %(levelname)s [gw{index} %(process)d] %(name)s: %(message)s")
-    from gateway.app import build_app
-    from gateway.server import run_server
-    from gateway.service import Service
+    from gateway.http.app import build_app
+    from gateway.http.server import run_server
+    from gateway.serving.service import Service
 
     service = Service(config, make_deployment(config, role=Role.ATTACHED), ready_before_serving=replacement)
     if shared_admission_path is not None:
-        from gateway.shared_admission import share_admission
+        from gateway.admission.shared import share_admission
 
         share_admission(service.router, config, shared_admission_path, index)
     app = build_app(service)
     if shared_limits_path is not None:
-        from gateway.shared_limits import share
+        from gateway.admission.shared_limits import share
 
         share(app.state.limiter, shared_limits_path)
     run_server(app, service, log_level=log_level, sockets=[sock])
@@ -130,7 +130,7 @@ class ProcessGroup:
         loop = asyncio.get_running_loop()
         loop.remove_reader(p.sentinel)
         p.join()
-        from gateway.metrics import mark_process_dead
+        from gateway.observability.metrics import mark_process_dead
 
         mark_process_dead(p.pid)
         if self.stopping:
@@ -174,10 +174,10 @@ def serve_processes(config: TandemConfig, make_deployment: Callable[..., Any], o
 async def _parent(config: TandemConfig, make_deployment, owner: bool, log_level: str, access_log: bool,
                   log_format: str,
                   workdir: str) -> int:
-    from gateway.metrics import use_multiprocess_dir
-    from gateway.service import Service
-    from gateway.shared_admission import create_shared_admission
-    from gateway.shared_limits import create_shared_limits
+    from gateway.admission.shared import create_shared_admission
+    from gateway.admission.shared_limits import create_shared_limits
+    from gateway.observability.metrics import use_multiprocess_dir
+    from gateway.serving.service import Service
 
     # The port first, before Ray starts its own processes (any of which may take a free port): a
     # port in use fails here, in one line, and nothing else can take it meanwhile.
@@ -204,7 +204,7 @@ async def _parent(config: TandemConfig, make_deployment, owner: bool, log_level:
     if service is None and config.metrics.port is not None:  # attached: this host's processes' metrics
         from prometheus_client import CollectorRegistry, multiprocess
 
-        from gateway.metrics_server import serve_metrics
+        from gateway.observability.metrics_server import serve_metrics
 
         registry = CollectorRegistry(auto_describe=True)
         multiprocess.MultiProcessCollector(registry, path=metrics_dir)

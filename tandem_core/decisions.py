@@ -160,7 +160,7 @@ class DecisionRequest(_Strict):
     model: str
     input: str | list[dict[str, Any]]
     questions: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_QUESTIONS)
-    # The gateway's routing key (``gateway.intake``: like ``user``, requests with one key go to one
+    # The gateway's routing key (``gateway.request.intake``: like ``user``, requests with one key go to one
     # replica, where their prefix is cached); not a salt: keys do not partition the cache.
     prompt_cache_key: str | None = None
     prompt_cache_options: _Cache | None = None  # accepted: tandem's prefix cache is automatic

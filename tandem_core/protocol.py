@@ -16,7 +16,7 @@ What a route method yields (``Item``), in order:
   Responses and Anthropic streams have named events and no ``[DONE]``: they end with the
   iterator). A failure after the stream began is a ``TandemError`` item, never a bare stop:
   errors are values on this side; the gateway frames them for the route, once
-  (``gateway/streaming.py``).
+  (``gateway/http/streaming.py``).
 Cancelling the iterator (client gone) aborts the request in the engine.
 """
 
@@ -148,7 +148,7 @@ DONE = "data: [DONE]\n\n"
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One request as it crosses the hop to a replica: built once by the gateway from its
-    request record (``gateway/envelope.py``), the same for a route handler and a batch job.
+    request record (``gateway/request/envelope.py``), the same for a route handler and a batch job.
     The engine serves ``body`` (which carries vLLM's ``priority`` when the gateway set one);
     the rest says who asked and by when, for the replica's logs, traces and order."""
 

@@ -1,6 +1,6 @@
 """`python -m tandem_tools.bench_adapters`: LoRA adapter routing, adapter-aware against p2c.
 
-The gateway's own router (``gateway.router.ModelPool``) over replicas of one base, driven by a
+The gateway's own router (``gateway.routing.router.ModelPool``) over replicas of one base, driven by a
 discrete-event load (no engines, no sleeping: each request holds its slot for a random service
 time, ``--concurrency`` at once). Each replica's engine holds ``--max-loras`` adapters, least
 recently used evicted (as vLLM's LoRA slots); a request whose adapter its replica does not hold
@@ -17,9 +17,9 @@ import json
 import random
 import statistics
 
-from gateway.choosers import AdapterAffinity
-from gateway.replicas import Replica, ReplicaState
-from gateway.router import ModelPool
+from gateway.routing.choosers import AdapterAffinity
+from gateway.routing.replicas import Replica, ReplicaState
+from gateway.routing.router import ModelPool
 
 
 async def run(routing: str, seed: int, replicas: int, adapters: int, max_loras: int, requests: int,

@@ -8,11 +8,11 @@ import logging
 import sys
 from pathlib import Path
 
-from gateway.app import build_app
 from gateway.config import ConfigError, load_config, parse_config
-from gateway.logs import setup_logging
-from gateway.server import run_server
-from gateway.service import Service
+from gateway.http.app import build_app
+from gateway.http.server import run_server
+from gateway.observability.logs import setup_logging
+from gateway.serving.service import Service
 from tandem_core.config import DEFAULT_CONFIG
 from tandem_core.protocol import Role
 from tandem_tools import bench, bench_diffusion, bench_diffusion_prefix, bench_prefix, serve_model

@@ -142,9 +142,9 @@ def _patch_async_llm(m) -> None:
 
 
 PATCHES = {
-    "gateway.app": _patch_gateway_app,
-    "gateway.generate": _patch_generate,
-    "gateway.streaming": _patch_streaming,
+    "gateway.http.app": _patch_gateway_app,
+    "gateway.http.generate": _patch_generate,
+    "gateway.http.streaming": _patch_streaming,
     "workers.transport.handles": _patch_handles,
     "workers.transport.channel": _patch_channel,
     "workers.actor": _patch_actor,

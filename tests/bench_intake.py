@@ -8,9 +8,9 @@ import time
 import timeit
 
 sys.path.insert(0, ".")
-from gateway.intake import parse_json, take_in  # noqa: E402
-from gateway.limits import check_limits  # noqa: E402
-from gateway.router import request_cost  # noqa: E402
+from gateway.request.intake import parse_json, take_in  # noqa: E402
+from gateway.request.limits import check_limits  # noqa: E402
+from gateway.routing.router import request_cost  # noqa: E402
 from tandem_core.config import LimitsConfig  # noqa: E402
 from tests.unit.test_intake import (  # noqa: E402
     old_check_limits,

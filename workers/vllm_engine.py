@@ -376,7 +376,7 @@ def _continue_traces(llm) -> None:
 def vllm_exposition() -> str:
     """vLLM's own metrics (its ``vllm:*`` families, as `vllm serve`'s /metrics has them), in the
     Prometheus text format: its stat logger registers them in this process's default registry.
-    The gateway re-exports them with a ``replica`` label (``gateway.metrics``)."""
+    The gateway re-exports them with a ``replica`` label (``gateway.observability.metrics``)."""
     from prometheus_client import REGISTRY, generate_latest
 
     keep, out = False, []

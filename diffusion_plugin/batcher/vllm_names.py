@@ -1,7 +1,7 @@
 """vLLM's metric families that mean the same on a diffusion replica, under vLLM's names and labels
 (``model_name``, ``engine``), so one dashboard (vLLM's own, or a KEDA rule on
 ``vllm:num_requests_waiting``) covers both kinds; the gateway re-exports them with a ``replica``
-label as it does a vLLM replica's (``gateway.metrics.engine_families``)."""
+label as it does a vLLM replica's (``gateway.observability.metrics.engine_families``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """One gateway process around in-process fake engines (no Ray, no vLLM), served as `tandem serve`
-serves (``gateway.server.run_server``: its SIGTERM drain), for tests that stop and stall gateway
+serves (``gateway.http.server.run_server``: its SIGTERM drain), for tests that stop and stall gateway
 processes sharing one batch store:
 
     python -m tests.integration.batch_gateway CONFIG RECORD ENGINE_ARGS_JSON
@@ -11,11 +11,11 @@ import json
 import sys
 from pathlib import Path
 
-from gateway.app import build_app
 from gateway.config import load_config
-from gateway.logs import setup_logging
-from gateway.server import run_server
-from gateway.service import Service
+from gateway.http.app import build_app
+from gateway.http.server import run_server
+from gateway.observability.logs import setup_logging
+from gateway.serving.service import Service
 from workers.fake_engine import FakeDeployment
 
 

@@ -6,7 +6,7 @@ import functools
 import sys
 
 from gateway.config import load_config
-from gateway.logs import setup_logging
+from gateway.observability.logs import setup_logging
 from gateway.processes import serve_processes
 from workers.deployment import RayDeployment
 

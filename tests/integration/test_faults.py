@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from gateway.replicas import ReplicaState
+from gateway.routing.replicas import ReplicaState
 from tests.unit.gateway_server import HeldStreams, complete_outcome, fake_gateway, stream_outcome
 from tests.waiting import wait_for
 

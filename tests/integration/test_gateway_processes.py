@@ -240,7 +240,7 @@ SHARE_KEYS = [{"key": LIGHT, "name": "light", "weight": 1}, {"key": HEAVY, "name
 
 def test_weighted_shares_and_roles_hold_across_both_processes(tmp_path):
     """Tenant light (weight 1) floods through one process only, heavy (weight 3) through the other,
-    16 streams each, on one replica of two slots: admission is shared (``gateway/shared_admission.py``),
+    16 streams each, on one replica of two slots: admission is shared (``gateway/admission/shared.py``),
     so the completions go 3:1, not each process's own slots 1:1. Alone, light takes both slots."""
     fields = {"replicas": 1, "max_in_flight_per_replica": 2}
     with gateway_group(tmp_path, keys=SHARE_KEYS, model_fields=fields) as group:

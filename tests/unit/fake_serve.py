@@ -2,11 +2,11 @@
 
 import sys
 
-from gateway.app import build_app
 from gateway.config import parse_config
-from gateway.logs import setup_logging
-from gateway.server import run_server
-from gateway.service import Service
+from gateway.http.app import build_app
+from gateway.http.server import run_server
+from gateway.observability.logs import setup_logging
+from gateway.serving.service import Service
 from workers.fake_engine import FakeDeployment
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ from contextlib import contextmanager
 import httpx
 import uvicorn
 
-from gateway.app import build_app
 from gateway.config import parse_config
-from gateway.service import Service
+from gateway.http.app import build_app
+from gateway.serving.service import Service
 from tests.waiting import wait_for
 from workers.fake_engine import FakeDeployment
 

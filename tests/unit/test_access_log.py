@@ -11,7 +11,7 @@ import logging
 import httpx
 import pytest
 
-from gateway import logs
+from gateway.observability import logs
 from tests.unit.gateway_server import fake_gateway
 
 KEY = "sk-access-0123456789abcdef"
@@ -75,7 +75,7 @@ def test_a_text_line_names_the_same_fields():
 def test_a_traced_request_names_its_trace(lines):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from gateway.tracing import Tracing
+    from gateway.observability.tracing import Tracing
     from tandem_core.config import ObservabilityConfig
 
     trace_id = "0af7651916cd43dd8448eb211c80319c"

@@ -1,8 +1,8 @@
-"""Admission (gateway/admission.py), alone with a fake clock: priority bands, weighted fair shares
+"""Admission (gateway/admission/policy.py), alone with a fake clock: priority bands, weighted fair shares
 between tenants (a virtual token counter), arrival order within a tenant, promotion of a waiter
 that waited too long."""
 
-from gateway.admission import Admission, Ticket
+from gateway.admission.policy import Admission, Ticket
 
 
 def _push(a: Admission, name: str, priority: int = 0, tenant: str = "t", weight: float = 1.0, since: float = 0.0,

@@ -11,11 +11,11 @@ import os
 import httpx
 import pytest
 
-from gateway.autoscaler import Autoscaler
 from gateway.config import ConfigError, parse_config
-from gateway.replicas import Replica, ReplicaState
-from gateway.scaling import _removal_order
-from gateway.views import replica_counts
+from gateway.fleet.autoscaler import Autoscaler
+from gateway.fleet.scaling import _removal_order
+from gateway.fleet.views import replica_counts
+from gateway.routing.replicas import Replica, ReplicaState
 from tandem_core.config import AutoscalingConfig
 from tandem_core.protocol import Role
 from tests.unit.gateway_server import HeldStreams, fake_gateway, stream_outcome
@@ -216,7 +216,7 @@ def test_a_draining_replica_takes_no_new_request_and_its_requests_finish_before_
 def test_an_attached_gateway_process_follows_the_owners_replica_table():
     """What another gateway process does with the table the owner publishes: it serves the
     listed replicas, sends nothing to a draining one, and drops one no longer listed."""
-    from gateway.service import Service
+    from gateway.serving.service import Service
     from tests.waiting import async_wait_for
     from workers.fake_engine import FakeDeployment
 

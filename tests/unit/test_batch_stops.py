@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from gateway import batch_runner
-from gateway.batch_store import BatchStore, Line
+from gateway.batches import runner as batch_runner
+from gateway.batches.store import BatchStore, Line
 from tandem_core.errors import ErrorKind, TandemError
 from tests.batches import finished, lines_of, submit
 from tests.unit.gateway_server import fake_gateway

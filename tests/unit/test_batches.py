@@ -1,6 +1,6 @@
 """The Files and Batch API on fake engines (issue 34), with the official `openai` SDK as client:
 the round trip, bad lines and bad files, cancel, expiry, and the store's recovery from every
-state a dead process may leave a batch in (``gateway/batch_store.py``)."""
+state a dead process may leave a batch in (``gateway/batches/store.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion
 
-from gateway.batch_store import BatchStore, Line
+from gateway.batches.store import BatchStore, Line
 from tests.batches import finished, jsonl, lines_of
 from tests.unit.gateway_server import fake_gateway
 from tests.waiting import wait_for

@@ -1,9 +1,9 @@
-"""Each replica choice policy alone (``gateway/choosers.py``), without a pool."""
+"""Each replica choice policy alone (``gateway/routing/choosers.py``), without a pool."""
 
 import random
 
-from gateway.choosers import TOKENS_PER_BLOCK, Affinity, PrefixChooser, p2c
-from gateway.replicas import Replica, ReplicaState
+from gateway.routing.choosers import TOKENS_PER_BLOCK, Affinity, PrefixChooser, p2c
+from gateway.routing.replicas import Replica, ReplicaState
 
 
 def _replicas(*loads):

@@ -164,13 +164,13 @@ def test_a_label_is_tokenized_with_the_prompts_end():
 
 
 def test_the_openapi_body_is_generated_from_the_models_that_parse_it():
-    """``gateway.openapi.decisions_schema`` (the OpenAPI document's body) takes what ``parse``
+    """``gateway.http.openapi.decisions_schema`` (the OpenAPI document's body) takes what ``parse``
     takes and refuses what it refuses: the typed items and questions, no unresolved reference."""
     import json
 
     import jsonschema
 
-    from gateway.openapi import decisions_schema
+    from gateway.http.openapi import decisions_schema
 
     schema = decisions_schema()
     assert "$ref" not in json.dumps(schema)

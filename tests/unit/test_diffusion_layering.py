@@ -14,7 +14,7 @@ def test_scheduler_loop_and_engine_import_without_torch():
 def test_the_gateway_reads_the_diffusion_schemas_without_torch():
     """The OpenAPI document embeds the knobs' schema and loading a config checks diffusion
     engine_args: neither may pull torch into the gateway's process."""
-    code = ("import sys; import gateway.openapi; from gateway.config import load_config; "
+    code = ("import sys; import gateway.http.openapi; from gateway.config import load_config; "
             "assert any(m.kind.value == 'diffusion' for m in load_config().models); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -4,10 +4,10 @@ line survives Ray's wrapping of the replica's exception."""
 
 import threading
 
-from gateway.app import build_app
 from gateway.config import parse_config
-from gateway.server import run_server
-from gateway.service import Service
+from gateway.http.app import build_app
+from gateway.http.server import run_server
+from gateway.serving.service import Service
 from tandem_core.errors import EngineConfigError, config_error_line, engine_config_line
 from tests.unit.gateway_server import free_port
 from workers.fake_engine import FakeDeployment

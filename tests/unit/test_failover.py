@@ -8,7 +8,7 @@ import concurrent.futures as cf
 import httpx
 import pytest
 
-from gateway.replicas import ReplicaState
+from gateway.routing.replicas import ReplicaState
 from tandem_core.errors import ErrorKind, TandemError
 from tests.unit.gateway_server import HeldStreams, complete_outcome, fake_gateway, stream_outcome
 from tests.waiting import wait_for

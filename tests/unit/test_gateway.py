@@ -308,8 +308,8 @@ def test_the_metrics_port_keeps_vllms_names_for_prometheus_2s_accept_header():
     from prometheus_client import CollectorRegistry
 
     from diffusion_plugin.batcher.vllm_names import vllm_exposition
-    from gateway.metrics import engine_families
-    from gateway.metrics_server import serve_metrics
+    from gateway.observability.metrics import engine_families
+    from gateway.observability.metrics_server import serve_metrics
     from tests.unit.gateway_server import free_port
 
     class Engines:

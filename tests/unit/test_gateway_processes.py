@@ -10,12 +10,12 @@ import socket
 
 import pytest
 
-from gateway.auth import RateLimiter, ResolvedKey
+from gateway.admission.keys import RateLimiter, ResolvedKey
+from gateway.admission.shared_limits import SharedStore, create_shared_limits, share
 from gateway.config import parse_config
-from gateway.health import others_load
+from gateway.fleet.health import others_load
 from gateway.processes import bind_socket
-from gateway.replicas import Replica
-from gateway.shared_limits import SharedStore, create_shared_limits, share
+from gateway.routing.replicas import Replica
 from tandem_core.errors import RateLimited, TandemError
 from tandem_core.protocol import EngineRequest
 from tests.waiting import async_wait_for
@@ -173,7 +173,7 @@ def test_who_serves_the_metrics_port():
     """The replicas' owner serves `metrics.port`; an attached gateway process of a group does not
     (its parent serves the group's); a lone `tandem serve --attach` serves its own gateway's."""
     from gateway.config import parse_config
-    from gateway.service import Service
+    from gateway.serving.service import Service
     from tandem_core.protocol import Role
     from workers.fake_engine import FakeDeployment
 

@@ -1,4 +1,4 @@
-"""The body read once (gateway/intake.py): the record's sizes, depth, estimate and session key
+"""The body read once (gateway/request/intake.py): the record's sizes, depth, estimate and session key
 against the functions that walked the body before (kept below as the oracle), and the gateway
 walking a request's body once before it asks for a slot."""
 
@@ -11,16 +11,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import gateway.generate as generate_module
-from gateway.intake import DEFAULT_MAX_OUTPUT_TOKENS, parse_json, take_in
-from gateway.limits import check_limits, estimate_tokens
-from gateway.router import request_cost
+import gateway.http.generate as generate_module
+from gateway.request.intake import DEFAULT_MAX_OUTPUT_TOKENS, parse_json, take_in
+from gateway.request.limits import check_limits, estimate_tokens
+from gateway.routing.router import request_cost
 from tandem_core.config import LimitsConfig
 from tandem_core.errors import LimitExceeded, TandemError
 from tests.unit.gateway_server import fake_gateway
 
 # ---------------------------------------------------------------- the oracle: the walks before intake
-# A copy of gateway/limits.py and gateway/generate.py as they were (commit ceef3d2).
+# A copy of gateway/request/limits.py and gateway/http/generate.py as they were (commit ceef3d2).
 
 
 def old_content_chars(content: Any) -> int:

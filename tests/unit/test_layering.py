@@ -130,7 +130,7 @@ def test_gateway_holds_no_tool():
     assert not names & {"bench", "bench_diffusion", "loadgen", "vllm_cli_shim", "cli"}, names
 
 
-@pytest.mark.parametrize("bad", ["from gateway.app import build_app", "import tandem_tools.bench",
+@pytest.mark.parametrize("bad", ["from gateway.http.app import build_app", "import tandem_tools.bench",
                                  "from diffusion_plugin.step import runner", "from workers import tiny_models"])
 def test_the_checks_catch_a_wrong_arrow_and_a_cycle(tmp_path, bad):
     """The checks above can fail: a module of tandem_core or workers with a wrong import is
@@ -157,7 +157,7 @@ def test_no_runtime_module_is_over_400_lines():
 
 
 def test_a_replica_state_is_assigned_only_by_its_state_machine():
-    """``Replica.move_to`` (gateway/replicas.py) is the one place a replica's state changes."""
+    """``Replica.move_to`` (gateway/routing/replicas.py) is the one place a replica's state changes."""
     offenders = []
     for pkg in RUNTIME:
         for p in (ROOT / pkg).rglob("*.py"):

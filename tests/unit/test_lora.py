@@ -1,4 +1,4 @@
-"""LoRA adapters through the real gateway on fake engines (``gateway/adapters.py``): an adapter is
+"""LoRA adapters through the real gateway on fake engines (``gateway/routing/adapters.py``): an adapter is
 served by its base's replicas with the adapter applied, listed in /v1/models with its base as
 parent, loaded and unloaded at run time on every replica (and again on a replica that restarts),
 routed to the replicas that hold it, refused on a diffusion base; the config's checks."""
@@ -101,7 +101,7 @@ def test_a_diffusion_base_takes_no_adapter():
 def test_loading_onto_a_diffusion_model_is_a_400_that_says_why():
     import asyncio
 
-    from gateway.adapters import Adapters
+    from gateway.routing.adapters import Adapters
     from tandem_core.errors import TandemError
 
     config = TandemConfig.model_validate({"models": [

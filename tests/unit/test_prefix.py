@@ -1,10 +1,10 @@
-"""The approximate prefix index (gateway/prefix.py): block hashes of prompts, chained, and a
+"""The approximate prefix index (gateway/request/prefix.py): block hashes of prompts, chained, and a
 per-replica LRU of them. Routing on it is tested in test_router.py."""
 
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from gateway.prefix import BLOCK_CHARS, BLOCK_IDS, MAX_PROMPT_BLOCKS, PrefixIndex, prompt_blocks
+from gateway.request.prefix import BLOCK_CHARS, BLOCK_IDS, MAX_PROMPT_BLOCKS, PrefixIndex, prompt_blocks
 
 SYSTEM = "You are the support assistant of tenant seven. " * 40  # ~1,900 characters
 

@@ -1,10 +1,10 @@
-"""The replica state machine (``gateway.replicas``): the one place a replica's state changes, the
+"""The replica state machine (``gateway.routing.replicas``): the one place a replica's state changes, the
 table of legal moves and what each sets off, the generation counter, and the effects carried out
 by the pool's and the supervisor's listeners."""
 
 import pytest
 
-from gateway.replicas import TRANSITIONS, Effect, IllegalMove, Replica, ReplicaState
+from gateway.routing.replicas import TRANSITIONS, Effect, IllegalMove, Replica, ReplicaState
 
 S = ReplicaState
 

@@ -4,9 +4,9 @@ from collections import Counter
 
 import pytest
 
-from gateway.intake import take_in
-from gateway.replicas import Replica, ReplicaState
-from gateway.router import ModelPool, Router, request_cost
+from gateway.request.intake import take_in
+from gateway.routing.replicas import Replica, ReplicaState
+from gateway.routing.router import ModelPool, Router, request_cost
 from tandem_core.errors import ErrorKind, TandemError
 from tandem_core.protocol import EngineInfo
 

@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.generate import replica_of_response, response_id
-from gateway.streaming import error_event
+from gateway.http.generate import replica_of_response, response_id
+from gateway.http.streaming import error_event
 from tandem_core.errors import ErrorKind, TandemError
 from tandem_core.protocol import ROUTE_TABLE, ROUTES, served_routes
 from tests.unit.gateway_server import fake_gateway
@@ -179,7 +179,7 @@ def test_the_request_timeout_holds_on_the_new_routes():
 
 
 def test_token_estimates_of_the_new_routes():
-    from gateway.limits import estimate_tokens
+    from gateway.request.limits import estimate_tokens
 
     assert estimate_tokens({"input": "a" * 40, "max_output_tokens": 10}) == 10 + 10
     assert estimate_tokens({"input": [{"role": "user", "content": "a" * 8}]}) == 2 + 256

@@ -10,11 +10,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from gateway import security
-from gateway.auth import AuthMiddleware, KeyStore, RateLimiter, ResolvedKey, TokenBucket, resolve_keys
-from gateway.intake import parse_json, take_in
-from gateway.limits import BodySizeLimit, check_limits, estimate_tokens
-from gateway.security import install_security
+from gateway.admission.keys import AuthMiddleware, KeyStore, RateLimiter, ResolvedKey, TokenBucket, resolve_keys
+from gateway.http import security
+from gateway.http.security import install_security
+from gateway.request.intake import parse_json, take_in
+from gateway.request.limits import BodySizeLimit, check_limits, estimate_tokens
 from tandem_core.config import ApiKey, AuthConfig, CorsConfig, LimitsConfig
 from tandem_core.errors import BodyTooLarge, LimitExceeded, RateLimited, TandemError, Unauthenticated
 
@@ -722,6 +722,7 @@ def test_install_security_fails_on_an_unreadable_key():
 def test_module_reads_environment_only_in_resolve_keys():
     import inspect
 
-    from gateway import auth, limits
+    from gateway.admission import keys as auth
+    from gateway.request import limits
     assert inspect.getsource(auth).count("os.environ") == 1
     assert "os.environ" not in inspect.getsource(security) + inspect.getsource(limits)

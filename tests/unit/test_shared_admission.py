@@ -1,4 +1,4 @@
-"""Admission shared by gateway processes (``gateway/shared_admission.py``): two ``ModelPool``s
+"""Admission shared by gateway processes (``gateway/admission/shared.py``): two ``ModelPool``s
 stand for two processes (each its own ``Replica`` objects for the same replica, as each
 process has), sharing one store file. Slots are counted across them, priority and weighted
 shares hold across them, and a replacement process starts with a clean row."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 import random
 
-from gateway.replicas import Replica, ReplicaState
-from gateway.router import Claim, ModelPool
-from gateway.shared_admission import SharedShares, create_shared_admission, create_store, tenants_of
-from gateway.shared_limits import SharedStore
+from gateway.admission.shared import SharedShares, create_shared_admission, create_store, tenants_of
+from gateway.admission.shared_limits import SharedStore
+from gateway.routing.replicas import Replica, ReplicaState
+from gateway.routing.router import Claim, ModelPool
 from tandem_core.config import TandemConfig
 
 TENANTS = ["anonymous", "light", "heavy"]

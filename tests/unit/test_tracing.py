@@ -1,4 +1,4 @@
-"""Traces of requests (issue 35, ``gateway/tracing.py``) on fake engines, into an in-memory
+"""Traces of requests (issue 35, ``gateway/observability/tracing.py``) on fake engines, into an in-memory
 exporter: the request's span continues the client's `traceparent`, has the GenAI attributes and
 the usage the client received; admission and attempt spans are its children; the attempt's
 context crosses the hop in the request record; a failure is marked; off by default."""
@@ -11,7 +11,7 @@ import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway.tracing import Tracing
+from gateway.observability.tracing import Tracing
 from tandem_core import tracing as replica_tracing
 from tandem_core.config import ObservabilityConfig
 from tests.unit.gateway_server import fake_gateway
@@ -99,7 +99,7 @@ def test_a_stream_span_ends_with_the_stream_and_a_failure_is_marked(traced):
 
 def test_spans_reach_an_otlp_http_receiver():
     """The real exporter (OTLP over HTTP/protobuf, batched) to a receiver decoding what it gets."""
-    from gateway.tracing import make_tracing
+    from gateway.observability.tracing import make_tracing
     from tests.otlp_receiver import Receiver
 
     with Receiver() as receiver, fake_gateway({"num_tokens": 2}) as (url, service, _):
@@ -116,7 +116,7 @@ def test_spans_reach_an_otlp_http_receiver():
 
 
 def test_off_unless_an_endpoint_is_set_in_the_config_or_otels_variables(monkeypatch):
-    from gateway.tracing import endpoint_of, make_tracing
+    from gateway.observability.tracing import endpoint_of, make_tracing
 
     for var in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
         monkeypatch.delenv(var, raising=False)
@@ -220,7 +220,7 @@ def test_a_request_not_sampled_is_served_and_leaves_no_span(traced):
 def test_capture_content_records_a_streams_output_too():
     """observability.capture_content (issue 50: a stream's output was not recorded): a streamed
     chat's joined text per choice is its span's gen_ai.output.messages, as a whole answer's is."""
-    from gateway.tracing import note_stream_text as _note_text
+    from gateway.observability.tracing import note_stream_text as _note_text
 
     texts: dict[int, str] = {}
     _note_text(texts, 'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n')

@@ -74,7 +74,7 @@ class Outbox:
             err = e if isinstance(e, TandemError) else TandemError(
                 ErrorKind.ENGINE_ERROR, f"the engine failed on this request: {type(e).__name__}")
             # The error as a value, before or after a stream began: the gateway frames it for
-            # its route (gateway/streaming.py).
+            # its route (gateway/http/streaming.py).
             self.put(request_id, err)
         finally:
             self.tasks.pop(request_id, None)

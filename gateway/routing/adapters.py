@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from gateway.replicas import Replica, ReplicaState
+from gateway.routing.replicas import Replica, ReplicaState
 from tandem_core.config import ModelKind, TandemConfig
 from tandem_core.errors import ErrorKind, TandemError, invalid
 

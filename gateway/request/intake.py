@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from gateway.prefix import prompt_blocks
+from gateway.request.prefix import prompt_blocks
 from tandem_core.errors import TandemError, invalid
 from tandem_core.protocol import GENERATING_ROUTES
 
@@ -66,7 +66,7 @@ class Intake(NamedTuple):
         return self.prompt_chars + self.message_chars + self.input_chars
 
     def prefix_blocks(self) -> tuple[int, ...]:
-        """The chained hashes of the prompt's blocks (``gateway.prefix.prompt_blocks``), for
+        """The chained hashes of the prompt's blocks (``gateway.request.prefix.prompt_blocks``), for
         ``routing: prefix``. Not part of the walk: only prefix routing pays for it, and hashing
         reads every character where the walk only counts them."""
         return prompt_blocks(self.body)

@@ -19,10 +19,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from gateway import views
-from gateway.metrics import Metrics
-from gateway.replicas import Replica, ReplicaState
-from gateway.router import Router
+from gateway.fleet import views
+from gateway.observability.metrics import Metrics
+from gateway.routing.replicas import Replica, ReplicaState
+from gateway.routing.router import Router
 from tandem_core.config import TandemConfig
 from tandem_core.errors import ErrorKind, TandemError
 

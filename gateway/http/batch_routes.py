@@ -1,4 +1,4 @@
-"""The HTTP side of the Files and Batch API (``gateway/batches.py`` does the work): each handler
+"""The HTTP side of the Files and Batch API (``gateway/batches/api.py`` does the work): each handler
 reads its parameters, names the caller (its API key: tenant and role) and answers in OpenAI's
 shapes; errors leave in the OpenAI envelope like every other route's."""
 
@@ -9,8 +9,8 @@ import asyncio
 from fastapi import Request
 from fastapi.responses import FileResponse
 
-from gateway.batches import Batches, file_object
-from gateway.intake import parse_json
+from gateway.batches.api import Batches, file_object
+from gateway.request.intake import parse_json
 from tandem_core.errors import invalid
 
 MAX_LIMIT = 10_000

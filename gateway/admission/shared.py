@@ -9,8 +9,8 @@ weight. With it:
 - **Slots** are counted per model across processes: a request is admitted only while the
   model's requests in flight, all processes together, are under ``max_in_flight_per_replica``
   x its healthy replicas (less the reserved slots for priority > 0). Which replica takes it
-  stays each process's choice (``gateway/choosers.py``, weighing what the others put there).
-- **Fair-share counters** (``gateway/admission.py``'s virtual token counters) are one per
+  stays each process's choice (``gateway/routing/choosers.py``, weighing what the others put there).
+- **Fair-share counters** (``gateway/admission/policy.py``'s virtual token counters) are one per
   tenant per model, charged by whichever process admits the request.
 - **Heads**: each process publishes the priority and tenant of the waiter it would admit next.
   A process admits its head only if no other process's head goes before it (more urgent, or
@@ -19,7 +19,7 @@ weight. With it:
 A process whose queue is not empty re-checks every ``POLL_S`` (a slot freed by another process
 is seen then): the cost of a hand-off between processes is at most that, and nothing is polled
 while nobody waits. The store is a file every process maps in memory, locked with ``flock`` for
-the few instructions of a check (as ``gateway/shared_limits.py``); each process has its own
+the few instructions of a check (as ``gateway/admission/shared_limits.py``); each process has its own
 row of counts, which a replacement process (same index) clears when it starts: the requests of
 a process that died died with it.
 """
@@ -30,9 +30,9 @@ import math
 import os
 import struct
 
-from gateway.admission import DEFAULT_TENANT
-from gateway.auth import resolve_keys
-from gateway.shared_limits import SharedStore
+from gateway.admission.keys import resolve_keys
+from gateway.admission.policy import DEFAULT_TENANT
+from gateway.admission.shared_limits import SharedStore
 from tandem_core.config import TandemConfig
 
 POLL_S = 0.01

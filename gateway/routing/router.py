@@ -1,6 +1,6 @@
 """Route a request by ``model`` to one of that model's replicas, with admission control.
 
-Choice (``gateway/choosers.py``, each policy alone): among the healthy replicas with a free
+Choice (``gateway/routing/choosers.py``, each policy alone): among the healthy replicas with a free
 slot, the prefix match under ``routing: prefix`` (an index per replica engine, dropped when the
 replica's state machine says that engine is gone: ``Effect.DROP_CACHE``), else session affinity
 for a keyed request when it is on, else power of two choices on outstanding work: tokens for
@@ -32,12 +32,12 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from gateway.admission import DEFAULT_TENANT, Admission, Ticket
-from gateway.choosers import AdapterAffinity, Affinity, PrefixChooser, p2c
-from gateway.intake import Intake
-from gateway.prefix import PrefixIndex
-from gateway.replicas import Effect, Move, Replica, ReplicaState
-from gateway.shared_admission import POLL_S, PROMOTED
+from gateway.admission.policy import DEFAULT_TENANT, Admission, Ticket
+from gateway.admission.shared import POLL_S, PROMOTED
+from gateway.request.intake import Intake
+from gateway.request.prefix import PrefixIndex
+from gateway.routing.choosers import AdapterAffinity, Affinity, PrefixChooser, p2c
+from gateway.routing.replicas import Effect, Move, Replica, ReplicaState
 from tandem_core.errors import ErrorKind, TandemError
 
 RATE_WINDOW_S = 30.0
@@ -63,7 +63,7 @@ class Slot:
 
 @dataclass(frozen=True)
 class Claim:
-    """Who asks for a slot, for admission (``gateway/admission.py``): the request's priority
+    """Who asks for a slot, for admission (``gateway/admission/policy.py``): the request's priority
     (vLLM's field: lower is more urgent), its tenant and the tenant's weight."""
 
     priority: int = 0
@@ -112,14 +112,14 @@ class ModelPool:
         self.reserve = min(reserve, max_in_flight - 1) if max_in_flight is not None else 0
         self._completions: deque[float] = deque()
         # Several gateway processes: the model's slots, its tenants' counters and each process's
-        # head waiter, shared (``gateway/shared_admission.py``); None: this process decides alone.
+        # head waiter, shared (``gateway/admission/shared.py``); None: this process decides alone.
         self.shares = None
         self._poller: asyncio.Task | None = None
         for r in replicas or ():
             self.add(r)
 
     def share(self, shares) -> None:
-        """Admit with the other gateway processes (``gateway.shared_admission.SharedShares``)."""
+        """Admit with the other gateway processes (``gateway.admission.shared.SharedShares``)."""
         self.shares = shares
         self.admission.counters = shares.counters
 
@@ -248,7 +248,7 @@ class ModelPool:
                       claim: Claim = NO_CLAIM) -> Slot:
         """A slot on a replica, counted there until ``release``. ``prefix``: the prompt's block
         hashes (``prefix_blocks``) under ``routing: prefix``; ``claim``: its priority and tenant
-        (``gateway/admission.py`` orders the waiters by them). Raises 503 (no live replica), 429
+        (``gateway/admission/policy.py`` orders the waiters by them). Raises 503 (no live replica), 429
         (queue full) or 408 (waited past ``deadline_s``)."""
         exclude = frozenset(exclude)
         with self._locked():
@@ -365,7 +365,7 @@ class ModelPool:
 class Router:
     def __init__(self, pools: list[ModelPool], adapters=None, aliases: dict[str, str] | None = None):
         self.pools = {p.name: p for p in pools}
-        self.adapters = adapters  # ``gateway.adapters.Adapters``: a LoRA adapter's name is served by its base
+        self.adapters = adapters  # ``gateway.routing.adapters.Adapters``: a LoRA adapter's name is served by its base
         self.aliases = dict(aliases or {})  # another served name -> the model's name
 
     def pool(self, model: object) -> ModelPool:

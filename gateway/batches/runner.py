@@ -1,6 +1,6 @@
-"""Running the batches this gateway process holds the lease of (``gateway/batches.py`` answers
-the routes; ``gateway/batch_store.py`` keeps every state durable). Steps and rules: see
-``gateway/batches.py``'s docstring."""
+"""Running the batches this gateway process holds the lease of (``gateway/batches/api.py`` answers
+the routes; ``gateway/batches/store.py`` keeps every state durable). Steps and rules: see
+``gateway/batches/api.py``'s docstring."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from gateway.batch_store import ACTIVE, BatchStore, Fence, Line
-from gateway.envelope import envelope
-from gateway.generate import serve
+from gateway.batches.store import ACTIVE, BatchStore, Fence, Line
+from gateway.http.generate import serve
+from gateway.request.envelope import envelope
 from tandem_core.errors import ErrorKind, TandemError
 
 logger = logging.getLogger(__name__)

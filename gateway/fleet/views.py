@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from gateway.replicas import Replica, ReplicaState
-from gateway.router import ModelPool, Router
+from gateway.routing.replicas import Replica, ReplicaState
+from gateway.routing.router import ModelPool, Router
 
 logger = logging.getLogger(__name__)
 

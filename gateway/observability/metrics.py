@@ -27,8 +27,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from gateway.admission import DEFAULT_TENANT
-from gateway.batch_store import STATUSES
+from gateway.admission.policy import DEFAULT_TENANT
+from gateway.batches.store import STATUSES
 from tandem_core.errors import ErrorKind
 from tandem_core.protocol import ROUTE_TABLE
 

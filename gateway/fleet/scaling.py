@@ -1,7 +1,7 @@
 """Autoscaling and draining, for the supervisor.
 
 A loop per autoscaled model samples its load (requests in flight and queued) and asks
-``gateway.autoscaler`` for the replica count. Up: new replicas are created through the
+``gateway.fleet.autoscaler`` for the replica count. Up: new replicas are created through the
 deployment with fresh ids (``<model>/<n>``, n never reused) and brought up like the first ones
 (pending, with the reason, while no node can hold one; served once healthy). Down: the least
 loaded replica (one not serving yet first) is drained: the router sends it nothing new, its
@@ -27,11 +27,11 @@ import logging
 import time
 from typing import Protocol
 
-from gateway import views
-from gateway.autoscaler import Autoscaler, Decision
-from gateway.metrics import Metrics
-from gateway.replicas import Replica, ReplicaState
-from gateway.router import Router
+from gateway.fleet import views
+from gateway.fleet.autoscaler import Autoscaler, Decision
+from gateway.observability.metrics import Metrics
+from gateway.routing.replicas import Replica, ReplicaState
+from gateway.routing.router import Router
 from tandem_core.config import ModelConfig, TandemConfig
 from tandem_core.errors import ErrorKind, TandemError
 from tandem_core.protocol import ReplicaHandle, Role

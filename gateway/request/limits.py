@@ -15,14 +15,14 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.intake import COPIES, DEFAULT_MAX_OUTPUT_TOKENS, NUMBERS, Intake, take_in
+from gateway.request.intake import COPIES, DEFAULT_MAX_OUTPUT_TOKENS, NUMBERS, Intake, take_in
 from tandem_core.config import LimitsConfig
 from tandem_core.errors import BodyTooLarge, LimitExceeded
 
 logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- input limits
-# They read the sizes ``gateway.intake.take_in`` measured: no walk of the body here. Nothing
+# They read the sizes ``gateway.request.intake.take_in`` measured: no walk of the body here. Nothing
 # below may raise anything but LimitExceeded.
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.intake import Intake
-from gateway.limits import header, show
+from gateway.request.intake import Intake
+from gateway.request.limits import header, show
 from tandem_core.config import ApiKey, AuthConfig
 from tandem_core.errors import ErrorKind, LimitExceeded, RateLimited, TandemError, Unauthenticated
 
@@ -196,7 +196,7 @@ class RateLimiter:
 
     def replace_buckets(self, make: Callable[[int, str, float, float], TokenBucket]) -> None:
         """Swap every bucket for ``make(key index, "requests" | "tokens", capacity, refill_per_s)``
-        (e.g. one held in a store shared by several gateway processes: ``gateway/shared_limits.py``)."""
+        (e.g. one held in a store shared by several gateway processes: ``gateway/admission/shared_limits.py``)."""
         for i, name in enumerate(self._names):
             for kind, buckets in (("requests", self._requests), ("tokens", self._tokens)):
                 if name in buckets:

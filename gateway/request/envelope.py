@@ -1,10 +1,10 @@
 """One record per request, built once at the edge and carried to the engine.
 
 Whatever asks (a route handler from an HTTP request, a batch job from one line of its input
-file) builds an ``Envelope`` with ``envelope``: the body read once (``gateway.intake``), who asks
+file) builds an ``Envelope`` with ``envelope``: the body read once (``gateway.request.intake``), who asks
 (the API key, its tenant and the request's priority: ``Claim``), by when (the request timeout
 and the client's queue deadline), the trace context to continue, and the routing hints
-(session key; the prefix blocks and adapter are the pool's to derive). ``gateway.generate.serve``
+(session key; the prefix blocks and adapter are the pool's to derive). ``gateway.http.generate.serve``
 then needs nothing else: no HTTP object. Across the hop to a replica it becomes an
 ``EngineRequest`` (``engine_request``).
 """
@@ -16,8 +16,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gateway.intake import Intake, take_in
-from gateway.router import NO_CLAIM, Claim
+from gateway.request.intake import Intake, take_in
+from gateway.routing.router import NO_CLAIM, Claim
 from tandem_core.errors import invalid
 from tandem_core.protocol import PRIORITY_ROUTES, EngineRequest
 
@@ -30,11 +30,11 @@ class Envelope:
     intake: Intake  # the body, read once; ``intake.body`` is what the engine gets
     request_id: str  # the gateway's id of the request (``x-request-id``; a batch line's custom_id-based one)
     request_id_from_client: bool = False  # the client chose it (two requests may carry the same one)
-    key: object | None = None  # ``gateway.auth.ResolvedKey`` (None: auth is off)
+    key: object | None = None  # ``gateway.admission.keys.ResolvedKey`` (None: auth is off)
     claim: Claim = NO_CLAIM  # priority, tenant, weight (``claim_of``)
     queue_deadline_s: float | None = None  # the longest it may wait for a slot (the client's header)
     trace: dict[str, str] | None = None  # W3C trace context from the caller
-    # What serving it measured, for its access line (``gateway.logs``): queue_s, ttft_s, replica,
+    # What serving it measured, for its access line (``gateway.observability.logs``): queue_s, ttft_s, replica,
     # prompt_tokens, completion_tokens (the usage the client received)
     stats: dict = field(default_factory=dict)
 

@@ -1,7 +1,7 @@
 """The gateway's edge, wired: API keys, rate limits, input limits and CORS on one app.
 
-What each part does lives beside it: ``gateway/auth.py`` (keys, per-key token buckets, the auth
-middleware), ``gateway/limits.py`` (input limits, the body-size middleware); their settings are
+What each part does lives beside it: ``gateway/admission/keys.py`` (keys, per-key token buckets, the auth
+middleware), ``gateway/request/limits.py`` (input limits, the body-size middleware); their settings are
 ``tandem_core.config``'s ``AuthConfig``, ``LimitsConfig`` and ``CorsConfig``. Every refusal is a
 ``TandemError`` (``tandem_core.errors``: ``Unauthenticated``, ``RateLimited``, ``LimitExceeded``,
 ``BodyTooLarge``), so it leaves through the one handler, in the OpenAI envelope.
@@ -18,8 +18,8 @@ from typing import Any
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Scope
 
-from gateway.auth import AuthMiddleware, KeyStore, RateLimiter, resolve_keys
-from gateway.limits import BodySizeLimit
+from gateway.admission.keys import AuthMiddleware, KeyStore, RateLimiter, resolve_keys
+from gateway.request.limits import BodySizeLimit
 from tandem_core.config import AuthConfig, CorsConfig, LimitsConfig
 from tandem_core.errors import TandemError
 from tandem_core.protocol import ROUTE_TABLE

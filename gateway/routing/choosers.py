@@ -7,7 +7,7 @@ power of two choices).
 - ``Affinity``: rendezvous hashing of a session key with bounded load: the key's first replica in
   its own order within ``load_factor`` x the average load (counting this request).
 - ``PrefixChooser``: an approximate index per replica engine of the prompts sent there
-  (``gateway/prefix.py``), keyed by (replica id, ``generation``): the replica holding the longest
+  (``gateway/request/prefix.py``), keyed by (replica id, ``generation``): the replica holding the longest
   run of the prompt's leading blocks within the load bound; on a tie, the matched prefix's own
   first choice (rendezvous on its last block), so a prefix that spilled onto a second replica
   comes back to the first. A request weighs its uncached tokens where its prefix is cached.
@@ -20,8 +20,8 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from gateway.prefix import BLOCK_CHARS, DEFAULT_INDEX_BLOCKS, PrefixIndex
-from gateway.replicas import Replica
+from gateway.request.prefix import BLOCK_CHARS, DEFAULT_INDEX_BLOCKS, PrefixIndex
+from gateway.routing.replicas import Replica
 
 # Tokens a prefix block stands for (the gateway's estimate of 4 characters a token).
 TOKENS_PER_BLOCK = BLOCK_CHARS // 4

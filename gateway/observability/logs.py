@@ -1,6 +1,6 @@
 """Logging: text or JSON lines (``--log-format``), and one access line per request (``--access-log``).
 
-The access line (logger ``tandem.access``) is written by ``gateway.app.MetricsMiddleware`` when a
+The access line (logger ``tandem.access``) is written by ``gateway.http.app.MetricsMiddleware`` when a
 request ends, whatever its outcome: its id (the client's ``X-Request-Id`` or a new one, echoed in
 the answer), method, path, model, tenant, key name, status, and for requests a replica served the
 time it waited for a slot, its time to first byte, its total time, and its tokens in and out (the

@@ -8,7 +8,7 @@ import socket
 
 import uvicorn
 
-from gateway.service import Service
+from gateway.serving.service import Service
 
 
 def run_server(app, service: Service, log_level: str = "info",
@@ -34,7 +34,7 @@ def run_server(app, service: Service, log_level: str = "info",
 
     gw = service.config.gateway
     # uvicorn's own logging config off: its loggers go through the root's handler (text or JSON,
-    # ``gateway.logs``); its access log off: the gateway writes one line per request itself.
+    # ``gateway.observability.logs``); its access log off: the gateway writes one line per request itself.
     config = uvicorn.Config(app, host=gw.host, port=gw.port, log_level=log_level.lower(), access_log=False,
                             log_config=None, timeout_graceful_shutdown=5)
     server = DrainingServer(config)

@@ -47,7 +47,7 @@ class Admission:
         self.promote_after_s = promote_after_s
         self._queues: dict[tuple[int, str], deque[Ticket]] = {}  # (priority, tenant) -> tickets in order
         # tenant -> virtual tokens served (cost / weight); a dict, or the store several gateway
-        # processes share (``gateway/shared_admission.py``: its ``get``/``[]=`` read and write it)
+        # processes share (``gateway/admission/shared.py``: its ``get``/``[]=`` read and write it)
         self.counters = {}
         self._seq = itertools.count()
         self._n = 0

@@ -1,8 +1,8 @@
 """The replica supervisor: brings every replica up, takes a failed one out of rotation (failing
 its requests) and restarts it. How replicas come to exist is injected (``Deployment``): Ray
 actors in production (``workers.deployment.RayDeployment``), in-process engines in unit tests.
-Its two other parts: ``gateway/health.py`` (health checks, engine stats) and
-``gateway/scaling.py`` (autoscaling, draining, following the owner's replica table). A
+Its two other parts: ``gateway/fleet/health.py`` (health checks, engine stats) and
+``gateway/fleet/scaling.py`` (autoscaling, draining, following the owner's replica table). A
 replica's state moves only through ``Replica.move_to``; the supervisor carries out the moves'
 effects that are its own (publishing the replica table, the restart metric), the pool the rest.
 
@@ -22,11 +22,11 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Protocol
 
-from gateway.health import HealthMonitor
-from gateway.metrics import Metrics
-from gateway.replicas import Effect, Move, Replica, ReplicaState
-from gateway.router import Router
-from gateway.scaling import Scaling
+from gateway.fleet.health import HealthMonitor
+from gateway.fleet.scaling import Scaling
+from gateway.observability.metrics import Metrics
+from gateway.routing.replicas import Effect, Move, Replica, ReplicaState
+from gateway.routing.router import Router
 from tandem_core.config import ModelConfig, TandemConfig
 from tandem_core.errors import ErrorKind, TandemError, engine_config_line
 from tandem_core.protocol import ReplicaHandle, Role

@@ -1,6 +1,6 @@
 """The gateway's running state: its config, router, metrics and replica supervisor, and the
-drain on SIGTERM. The supervision itself is ``gateway/supervisor.py``; what the gateway shows of
-its replicas is ``gateway/views.py``.
+drain on SIGTERM. The supervision itself is ``gateway/fleet/supervisor.py``; what the gateway shows of
+its replicas is ``gateway/fleet/views.py``.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import logging
 import time
 from collections.abc import Callable
 
-from gateway.adapters import Adapters
-from gateway.auth import resolve_keys
-from gateway.metrics import Metrics
-from gateway.router import ModelPool, Router
-from gateway.supervisor import Deployment, Supervisor
-from gateway.tracing import make_tracing
+from gateway.admission.keys import resolve_keys
+from gateway.fleet.supervisor import Deployment, Supervisor
+from gateway.observability.metrics import Metrics
+from gateway.observability.tracing import make_tracing
+from gateway.routing.adapters import Adapters
+from gateway.routing.router import ModelPool, Router
 from tandem_core.config import TandemConfig
 from tandem_core.protocol import Role
 
@@ -83,7 +83,7 @@ class Service:
         self.loop = asyncio.get_running_loop()
         self.supervisor.start()
         if self.config.metrics.port is not None and self.serves_metrics_port:
-            from gateway.metrics_server import serve_metrics
+            from gateway.observability.metrics_server import serve_metrics
 
             self._metrics_server = serve_metrics(self.config.metrics.port, self.config.metrics.host,
                                                  self.metrics.exposition)

@@ -16,17 +16,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import views
-from gateway.batch_routes import register_batch_routes
-from gateway.batches import Batches
-from gateway.generate import generate, key_name_of, request_id_of, stored_response
-from gateway.intake import parse_json
-from gateway.logs import access_enabled, log_access
-from gateway.metrics import now
-from gateway.openapi import request_body_schema
-from gateway.security import install_security
-from gateway.service import Service
-from gateway.streaming import anthropic_error_type
+from gateway.batches.api import Batches
+from gateway.fleet import views
+from gateway.http.batch_routes import register_batch_routes
+from gateway.http.generate import generate, key_name_of, request_id_of, stored_response
+from gateway.http.openapi import request_body_schema
+from gateway.http.security import install_security
+from gateway.http.streaming import anthropic_error_type
+from gateway.observability.logs import access_enabled, log_access
+from gateway.observability.metrics import now
+from gateway.request.intake import parse_json
+from gateway.serving.service import Service
 from tandem_core.errors import ErrorKind, TandemError, invalid
 from tandem_core.protocol import ROUTE_SPECS, ROUTE_TABLE
 

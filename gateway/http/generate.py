@@ -1,5 +1,5 @@
 """The request path of the generation routes. ``generate`` (the HTTP edge) reads the body once
-into the request's record (``gateway.envelope``); ``serve`` checks the record, takes a slot on a
+into the request's record (``gateway.request.envelope``); ``serve`` checks the record, takes a slot on a
 replica (queueing, deadlines, the request timeout), runs it there and retries once elsewhere if
 that replica fails before the first byte; the edge then answers: one JSON body, or a stream of
 SSE events. ``serve`` needs no HTTP object: a batch job serves its lines with it.
@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.envelope import Envelope, envelope
-from gateway.intake import parse_json
-from gateway.limits import check_limits
-from gateway.metrics import now
-from gateway.replicas import Replica
-from gateway.router import ModelPool, Slot, request_cost
-from gateway.service import Service
-from gateway.streaming import ClientGone, event_body, sse_body, until_disconnect
-from gateway.tracing import note_stream_text
+from gateway.http.streaming import ClientGone, event_body, sse_body, until_disconnect
+from gateway.observability.metrics import now
+from gateway.observability.tracing import note_stream_text
+from gateway.request.envelope import Envelope, envelope
+from gateway.request.intake import parse_json
+from gateway.request.limits import check_limits
+from gateway.routing.replicas import Replica
+from gateway.routing.router import ModelPool, Slot, request_cost
+from gateway.serving.service import Service
 from tandem_core.errors import ErrorKind, TandemError, invalid, request_timeout
 from tandem_core.protocol import DONE_ROUTES, route_not_served
 
@@ -50,7 +50,7 @@ def key_name_of(request: Request) -> str:
 
 
 async def envelope_of(request: Request, service: Service, route: str, body: dict | None = None) -> Envelope:
-    """The request's record (``gateway.envelope``), its body read once: 400 for bad JSON, a body
+    """The request's record (``gateway.request.envelope``), its body read once: 400 for bad JSON, a body
     that is not an object or one nested deeper than ``limits.max_json_depth``. ``body``: already
     built by the gateway (routes that take no JSON body), not checked for depth."""
     config = service.config
@@ -71,7 +71,7 @@ async def generate(request: Request, service: Service, route: str, body: dict | 
     parsed (routes that take no JSON body); ``pin``: the replica that must serve it (a stored
     response). 499 when the client leaves before the first byte."""
     env = await envelope_of(request, service, route, body)
-    request.state.tandem_stats = env.stats  # for the access line (``gateway.logs``)
+    request.state.tandem_stats = env.stats  # for the access line (``gateway.observability.logs``)
     request.state.tandem_model = service.metrics.model_label(service.router.aliases.get(env.model, env.model))
     try:
         answer = await serve(service, env, pin, lambda first: until_disconnect(request, first),
@@ -113,7 +113,7 @@ async def serve(service: Service, env: Envelope, pin: Replica | None = None,
     it; ``watch``: awaits the first item (racing it against the client leaving: ``ClientGone``);
     ``admit``: the caller's last check once the request is valid (the HTTP edge: the per-key
     token rate limit), before it queues; ``internal``: not a client's request (a batch line),
-    for its trace. Traced when ``service.tracing`` is on (``gateway.tracing``)."""
+    for its trace. Traced when ``service.tracing`` is on (``gateway.observability.tracing``)."""
     tracing = service.tracing
     if tracing is None:
         return await _serve(service, env, pin, watch, admit)

@@ -1,8 +1,8 @@
 """OpenAI's Files and Batch API, served on the running models at the lowest priority.
 
-``Batches`` answers the routes (``gateway/app.py`` registers them); its ``BatchRunner``
-(``gateway/batch_runner.py``) runs the batches this gateway process holds the lease of
-(``gateway/batch_store.py`` keeps every state durable):
+``Batches`` answers the routes (``gateway/http/app.py`` registers them); its ``BatchRunner``
+(``gateway/batches/runner.py``) runs the batches this gateway process holds the lease of
+(``gateway/batches/store.py`` keeps every state durable):
 
 1. ``validating``: the input file is read line by line. A line that is not a JSON object, has no
    ``custom_id`` (or one seen before), a ``method`` other than POST, a ``url`` other than the
@@ -11,7 +11,7 @@
    file wrong as a whole (missing, not UTF-8, empty, more than ``batches.max_lines`` lines)
    fails the batch, its ``errors`` saying why.
 2. ``in_progress``: the pending lines are served ``batches.lines_in_flight`` at a time through
-   ``gateway.generate.serve`` (the request record and admission of online requests) at
+   ``gateway.http.generate.serve`` (the request record and admission of online requests) at
    ``batches.priority``, below every online request, under the submitting key's tenant: a batch
    takes the capacity online traffic leaves and yields it back. Lines are sent in the order of
    their model and prompt, so lines sharing a prompt prefix go one after another and prefix
@@ -31,9 +31,9 @@ from __future__ import annotations
 import json
 import re
 
-from gateway.auth import resolve_keys
-from gateway.batch_runner import ENDPOINTS, BatchRunner
-from gateway.batch_store import BatchStore
+from gateway.admission.keys import resolve_keys
+from gateway.batches.runner import ENDPOINTS, BatchRunner
+from gateway.batches.store import BatchStore
 from tandem_core.errors import ErrorKind, TandemError, invalid
 
 PURPOSES = ("batch", "fine-tune", "assistants", "vision", "user_data", "evals")  # OpenAI's upload purposes

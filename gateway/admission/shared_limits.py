@@ -27,7 +27,7 @@ import os
 import struct
 from contextlib import contextmanager
 
-from gateway.auth import RateLimiter, TokenBucket, resolve_keys
+from gateway.admission.keys import RateLimiter, TokenBucket, resolve_keys
 from tandem_core.config import TandemConfig
 
 SLOT = struct.calcsize("dd")
