@@ -143,6 +143,8 @@ GENERATING_ROUTES = frozenset(r.name for r in ROUTE_TABLE if r.generates)
 PRIORITY_ROUTES = frozenset(r.name for r in ROUTE_TABLE if r.generates or r.priority)
 Item = TandemError | dict | str
 DONE = "data: [DONE]\n\n"
+# The tenant of a request without an API key (auth off): admission orders by it, the metrics label it.
+DEFAULT_TENANT = "anonymous"
 
 
 @dataclass(frozen=True, slots=True)

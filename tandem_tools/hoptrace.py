@@ -95,6 +95,9 @@ def _patch_generate(m) -> None:
         if hasattr(m, name):
             setattr(m, name, _around(getattr(m, name), None, "g_body"))
             break
+
+
+def _patch_serve(m) -> None:
     m._acquire = _around(m._acquire, None, "g_acquired")
 
 
@@ -144,6 +147,7 @@ def _patch_async_llm(m) -> None:
 PATCHES = {
     "gateway.http.app": _patch_gateway_app,
     "gateway.http.generate": _patch_generate,
+    "gateway.serving.serve": _patch_serve,
     "gateway.http.streaming": _patch_streaming,
     "workers.transport.handles": _patch_handles,
     "workers.transport.channel": _patch_channel,

@@ -4,8 +4,8 @@
 - ``KeyStore`` keeps only SHA-256 digests and compares a token with every one of them
   (constant time, no early exit): a key is never logged or echoed.
 - ``RateLimiter``: per key, a token bucket of requests and one of tokens (estimated).
-- ``AuthMiddleware`` (pure ASGI): ``Authorization: Bearer <key>`` or 401, then the key's
-  requests per minute or 429 with ``Retry-After``. Public paths and CORS preflights pass.
+
+The HTTP edge that asks for them (``AuthMiddleware``) is in ``gateway/http/middleware.py``.
 """
 
 from __future__ import annotations
@@ -20,12 +20,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from starlette.types import ASGIApp, Receive, Scope, Send
-
 from gateway.request.intake import Intake
-from gateway.request.limits import header, show
+from gateway.request.limits import show
 from tandem_core.config import ApiKey, AuthConfig
-from tandem_core.errors import ErrorKind, LimitExceeded, RateLimited, TandemError, Unauthenticated
+from tandem_core.errors import LimitExceeded, RateLimited
 
 logger = logging.getLogger(__name__)
 
@@ -235,59 +233,3 @@ class RateLimiter:
                                 f"more than API key {key_name!r} may use: {limit}", intake.output_param)
         raise RateLimited(math.ceil(wait), f"rate limit reached for API key {key_name!r}: {limit}; this request "
                           f"may use about {need} tokens; retry in {math.ceil(wait)} s")
-
-
-def _is_preflight(scope: Scope) -> bool:
-    return scope.get("method") == "OPTIONS" and header(scope, b"access-control-request-method") is not None
-
-
-class AuthMiddleware:
-    """``Authorization: Bearer <key>`` on every path but the public ones (and CORS preflights),
-    then the key's role (``admin_paths`` and ``/admin/*``: 403 for a user key), then the key's
-    requests per minute. Sets ``scope["state"]["tandem_key_name"]`` (logs,
-    ``RateLimiter.check_tokens``) and ``["tandem_key"]`` (its tenant and models).
-    ``on_reject(scope, error)`` is called on each refusal
-    (for metrics)."""
-
-    def __init__(self, app: ASGIApp, keystore: KeyStore, limiter: RateLimiter, public_paths: Iterable[str],
-                 on_reject: Callable[[Scope, TandemError], None] | None = None, admin_paths: Iterable[str] = ()):
-        self.app = app
-        self.keystore = keystore
-        self.limiter = limiter
-        self.public_paths = frozenset(public_paths)
-        self.admin_paths = frozenset(admin_paths)  # only an admin key gets through (403 for a user key)
-        self.on_reject = on_reject
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or scope["path"] in self.public_paths or _is_preflight(scope):
-            return await self.app(scope, receive, send)
-        try:
-            name = self._authenticate(scope)
-            key = self.keystore.by_name[name]
-            state = scope.setdefault("state", {})
-            state["tandem_key_name"], state["tandem_key"] = name, key
-            if key.role != "admin" and (scope["path"] in self.admin_paths or scope["path"].startswith("/admin/")):
-                raise TandemError(ErrorKind.FORBIDDEN, f"API key {name!r} is a user key; {scope['path']} needs an "
-                                  "admin key (auth.api_keys[].role: admin)")
-            self.limiter.check_request(name)
-        except TandemError as err:
-            logger.info("refused %s %s: %s", scope.get("method", "WEBSOCKET"), scope["path"], err.message)
-            if self.on_reject is not None:
-                self.on_reject(scope, err)
-            if scope["type"] == "websocket":
-                return await send({"type": "websocket.close", "code": 1008})
-            return await err.send_to(send)
-        await self.app(scope, receive, send)
-
-    def _authenticate(self, scope: Scope) -> str:
-        value = header(scope, b"authorization")
-        if value is None:
-            raise Unauthenticated("missing API key: send it in the header 'Authorization: Bearer <key>'")
-        scheme, _, token = value.strip().partition(b" ")
-        token = token.strip()
-        if scheme.lower() != b"bearer" or not token:
-            raise Unauthenticated("malformed Authorization header: expected 'Bearer <key>'")
-        name = self.keystore.lookup(token)
-        if name is None:
-            raise Unauthenticated("invalid API key")
-        return name

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-DEFAULT_TENANT = "anonymous"
+from tandem_core.protocol import DEFAULT_TENANT
 
 
 @dataclass(eq=False)

@@ -31,9 +31,9 @@ import os
 import struct
 
 from gateway.admission.keys import resolve_keys
-from gateway.admission.policy import DEFAULT_TENANT
 from gateway.admission.shared_limits import SharedStore
 from tandem_core.config import TandemConfig
+from tandem_core.protocol import DEFAULT_TENANT
 
 POLL_S = 0.01
 PROMOTED = -1e18  # a promoted head's published priority: before every band

@@ -11,7 +11,7 @@
    file wrong as a whole (missing, not UTF-8, empty, more than ``batches.max_lines`` lines)
    fails the batch, its ``errors`` saying why.
 2. ``in_progress``: the pending lines are served ``batches.lines_in_flight`` at a time through
-   ``gateway.http.generate.serve`` (the request record and admission of online requests) at
+   ``gateway.serving.serve`` (the request record and admission of online requests) at
    ``batches.priority``, below every online request, under the submitting key's tenant: a batch
    takes the capacity online traffic leaves and yields it back. Lines are sent in the order of
    their model and prompt, so lines sharing a prompt prefix go one after another and prefix
@@ -33,6 +33,7 @@ import re
 
 from gateway.admission.keys import resolve_keys
 from gateway.batches.runner import ENDPOINTS, BatchRunner
+from gateway.batches.states import BatchStatus as S
 from gateway.batches.store import BatchStore
 from tandem_core.errors import ErrorKind, TandemError, invalid
 
@@ -148,9 +149,9 @@ class Batches:
 
     def cancel(self, batch_id: str, key) -> dict:
         self.batch(batch_id, key)
-        if not self.store.move(batch_id, "cancelling", only_from=("validating", "in_progress")):
+        if not self.store.move(batch_id, S.CANCELLING):
             status = self.store.batch(batch_id)["status"]
-            if status not in ("cancelling", "cancelled"):
+            if status not in (S.CANCELLING, S.CANCELLED):
                 raise TandemError(ErrorKind.INVALID_REQUEST,
                                   f"Cannot cancel a batch with status '{status}'.", "batch_id")
         return self.batch(batch_id, key)

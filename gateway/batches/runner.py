@@ -15,9 +15,10 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from gateway.batches.store import ACTIVE, BatchStore, Fence, Line
-from gateway.http.generate import serve
+from gateway.batches.states import BatchStatus as S
+from gateway.batches.store import BatchStore, Fence, Line
 from gateway.request.envelope import envelope
+from gateway.serving.serve import serve
 from tandem_core.errors import ErrorKind, TandemError
 
 logger = logging.getLogger(__name__)
@@ -107,20 +108,20 @@ class BatchRunner:
     async def _run(self, batch_id: str, fence: Fence) -> None:
         try:
             row = await self._db(self.store.batch, batch_id)
-            if row["status"] == "validating":
+            if row["status"] == S.VALIDATING:
                 if not await self._db(self._validate, row, fence):
                     return
                 row = await self._db(self.store.batch, batch_id)
-            if row["status"] == "in_progress":
+            if row["status"] == S.IN_PROGRESS:
                 await self._serve_lines(row, fence)
                 row = await self._db(self.store.batch, batch_id)
-            if row["status"] in ("finalizing", "cancelling") and not self.stopping:
+            if row["status"] in (S.FINALIZING, S.CANCELLING) and not self.stopping:
                 await self._db(self._finish, row, fence)
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - a bug must not leave the batch silent: it fails, saying so
             logger.exception("batch %s failed", batch_id)
-            await self._db(self.store.move, batch_id, "failed", fence=fence, errors=json.dumps(
+            await self._db(self.store.move, batch_id, S.FAILED, fence=fence, errors=json.dumps(
                 [{"code": "internal_error", "message": "the batch runner failed; see the server's log",
                   "param": None, "line": None}]))
 
@@ -151,7 +152,7 @@ class BatchRunner:
                 models.add(line.request["body"]["model"])
         self.store.add_lines(batch_id, lines, next(iter(models)) if len(models) == 1 else None)
         # (or it was cancelled meanwhile, or another process holds it now)
-        return self.store.move(batch_id, "in_progress", only_from=("validating",), fence=fence)
+        return self.store.move(batch_id, S.IN_PROGRESS, fence=fence)
 
     def _check_line(self, idx: int, text: str, endpoint: str, key, seen: set[str]) -> Line:
         custom_id = None
@@ -190,7 +191,7 @@ class BatchRunner:
         return Line(idx, custom_id, {"custom_id": custom_id, "body": body})
 
     def _fail(self, batch_id: str, fence: Fence, code: str, message: str) -> bool:
-        self.store.move(batch_id, "failed", fence=fence, errors=json.dumps([{"code": code, "message": message,
+        self.store.move(batch_id, S.FAILED, fence=fence, errors=json.dumps([{"code": code, "message": message,
                                                                              "param": None, "line": None}]))
         return False
 
@@ -235,12 +236,12 @@ class BatchRunner:
             for t in list(tasks):  # cancelled, expired, lost (or this process stops): aborted, still pending
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        if self.stopping or (await self._db(self.store.batch, batch_id))["status"] != "in_progress":
+        if self.stopping or (await self._db(self.store.batch, batch_id))["status"] != S.IN_PROGRESS:
             return
         if time.time() >= row["expires_at"]:
             await self._db(self._expire, row, fence)
         else:
-            await self._db(self.store.move, batch_id, "finalizing", only_from=("in_progress",), fence=fence,
+            await self._db(self.store.move, batch_id, S.FINALIZING, fence=fence,
                            answered=True)
 
     async def _should_stop(self, batch_id: str, expires_at: int, fence: Fence, draining_ok: bool = False) -> bool:
@@ -253,7 +254,7 @@ class BatchRunner:
         if status is None:
             logger.warning("batch %s: this process no longer holds its lease; stopping it", batch_id)
             return True
-        return status != "in_progress" or time.time() >= expires_at
+        return status != S.IN_PROGRESS or time.time() >= expires_at
 
     async def _serve_line(self, batch_id: str, route: str, key, line: Line, expires_at: int, fence: Fence) -> None:
         body = line.request["body"]
@@ -312,15 +313,15 @@ class BatchRunner:
             self.store.answer(row["id"], line.idx, _error_line(
                 line.custom_id, "batch_expired",
                 "This request could not be executed before the completion window expired."), ok=False, fence=fence)
-        self.store.move(row["id"], "expired", only_from=ACTIVE, fence=fence, answered=True, **self._write_files(row))
+        self.store.move(row["id"], S.EXPIRED, fence=fence, answered=True, **self._write_files(row))
 
     def _finish(self, row: dict, fence: Fence) -> None:
         """(On the store's thread.) The files, then ``cancelled`` or ``completed``."""
         files = self._write_files(row)
-        if row["status"] == "cancelling":
-            self.store.move(row["id"], "cancelled", only_from=("cancelling",), fence=fence, **files)
+        if row["status"] == S.CANCELLING:
+            self.store.move(row["id"], S.CANCELLED, fence=fence, **files)
         else:
-            self.store.move(row["id"], "completed", only_from=("finalizing",), fence=fence, answered=True, **files)
+            self.store.move(row["id"], S.COMPLETED, fence=fence, answered=True, **files)
 
     def _write_files(self, row: dict) -> dict:
         """The output and error files from the stored answers (ids derived from the batch's: a

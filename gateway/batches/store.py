@@ -37,17 +37,10 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-# OpenAI's batch statuses; the last four are final.
-ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
-FINAL = ("completed", "failed", "expired", "cancelled")
-STATUSES = ACTIVE + FINAL
-TIMESTAMPS = {"in_progress": "in_progress_at", "finalizing": "finalizing_at", "completed": "completed_at",
-              "failed": "failed_at", "expired": "expired_at", "cancelling": "cancelling_at",
-              "cancelled": "cancelled_at"}
+from gateway.batches.states import ACTIVE, TIMESTAMPS, BatchStatus, sources, zero_filled
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -172,8 +165,8 @@ class BatchStore:
                 "INSERT INTO batches (id, tenant, key, endpoint, input_file_id, completion_window, metadata, "
                 "output_expires_s, status, created_at, expires_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 (batch_id, tenant, key, endpoint, input_file_id, completion_window,
-                 json.dumps(metadata) if metadata is not None else None, output_expires_s, "validating", now,
-                 now + window_s))
+                 json.dumps(metadata) if metadata is not None else None, output_expires_s,
+                 BatchStatus.VALIDATING.value, now, now + window_s))
         return self.batch(batch_id)
 
     @_locked
@@ -186,15 +179,16 @@ class BatchStore:
         return [dict(r) for r in self.db.execute("SELECT * FROM batches ORDER BY created_at DESC, rowid DESC")]
 
     @_locked
-    def move(self, batch_id: str, status: str, only_from: Iterable[str] = ACTIVE, fence: Fence | None = None,
-             answered: bool = False, **fields) -> bool:
-        """Set a batch's status (and its timestamp, and ``fields``) if it is in ``only_from``, and
-        (``fence``) its runner still holds it, and (``answered``) no line of it is pending."""
-        assert status in STATUSES, status
-        sets = {"status": status, **fields}
+    def move(self, batch_id: str, status: BatchStatus, fence: Fence | None = None, answered: bool = False,
+             **fields) -> bool:
+        """The one writer of a batch's status: set it (and its timestamp, and ``fields``) if the
+        batch is in a status ``TRANSITIONS`` lets it leave for ``status``, and (``fence``) its
+        runner still holds it, and (``answered``) no line of it is pending. False: nothing moved."""
+        status = BatchStatus(status)
+        sets = {"status": status.value, **fields}
         if status in TIMESTAMPS:
             sets[TIMESTAMPS[status]] = int(time.time())
-        only = tuple(only_from)
+        only = sources(status)
         where, args = f"id=? AND status IN ({','.join('?' * len(only))})", [batch_id, *only]
         if fence is not None:
             where, args = where + " AND owner=? AND epoch=?", [*args, *fence]
@@ -304,9 +298,9 @@ class BatchStore:
 
     @_locked
     def states(self) -> dict[str, int]:
-        """Batches per status (for the metrics)."""
+        """Batches per status, every status named (0 where none): for the metrics."""
         rows = self.db.execute("SELECT status, COUNT(*) AS n FROM batches GROUP BY status")
-        return {r["status"]: r["n"] for r in rows}
+        return zero_filled({r["status"]: r["n"] for r in rows})
 
     @_locked
     def oldest_active(self) -> int | None:

@@ -18,8 +18,8 @@ from typing import Any
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Scope
 
-from gateway.admission.keys import AuthMiddleware, KeyStore, RateLimiter, resolve_keys
-from gateway.request.limits import BodySizeLimit
+from gateway.admission.keys import KeyStore, RateLimiter, resolve_keys
+from gateway.http.middleware import AuthMiddleware, BodySizeLimit
 from tandem_core.config import AuthConfig, CorsConfig, LimitsConfig
 from tandem_core.errors import TandemError
 from tandem_core.protocol import ROUTE_TABLE

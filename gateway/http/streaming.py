@@ -10,15 +10,12 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from gateway.serving.serve import ClientGone
 from tandem_core.errors import ErrorKind, TandemError
 from tandem_core.protocol import DONE
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The client disconnected before the answer was ready."""
 
 
 async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:

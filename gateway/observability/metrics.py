@@ -27,10 +27,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from gateway.admission.policy import DEFAULT_TENANT
-from gateway.batches.store import STATUSES
 from tandem_core.errors import ErrorKind
-from tandem_core.protocol import ROUTE_TABLE
+from tandem_core.protocol import DEFAULT_TENANT, ROUTE_TABLE
 
 # ``route`` labels: the route table's paths (``tandem_core.protocol.ROUTE_TABLE``), else "other";
 # durations for its timed routes.
@@ -257,8 +255,9 @@ class Metrics:
         self.admitted_wait.labels(model, priority_class(priority, self.batch_priority)).observe(waited_s)
 
     def set_batches(self, by_status: dict[str, int], oldest_active: float | None) -> None:
-        for status in STATUSES:
-            self.batches.labels(status).set(by_status.get(status, 0))
+        """``by_status``: every batch status, with 0 where no batch has it (the runner's)."""
+        for status, n in by_status.items():
+            self.batches.labels(status).set(n)
         self.batch_queue_age.set(max(0.0, time.time() - oldest_active) if oldest_active is not None else 0.0)
 
     def observe_batch_line(self, outcome: str) -> None:

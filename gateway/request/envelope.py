@@ -4,7 +4,7 @@ Whatever asks (a route handler from an HTTP request, a batch job from one line o
 file) builds an ``Envelope`` with ``envelope``: the body read once (``gateway.request.intake``), who asks
 (the API key, its tenant and the request's priority: ``Claim``), by when (the request timeout
 and the client's queue deadline), the trace context to continue, and the routing hints
-(session key; the prefix blocks and adapter are the pool's to derive). ``gateway.http.generate.serve``
+(session key; the prefix blocks and adapter are the pool's to derive). ``gateway.serving.serve``
 then needs nothing else: no HTTP object. Across the hop to a replica it becomes an
 ``EngineRequest`` (``engine_request``).
 """
@@ -17,9 +17,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gateway.request.intake import Intake, take_in
-from gateway.routing.router import NO_CLAIM, Claim
 from tandem_core.errors import invalid
-from tandem_core.protocol import PRIORITY_ROUTES, EngineRequest
+from tandem_core.protocol import DEFAULT_TENANT, PRIORITY_ROUTES, EngineRequest
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Who asks for a slot, for admission (``gateway/admission/policy.py``): the request's priority
+    (vLLM's field: lower is more urgent), its tenant and the tenant's weight."""
+
+    priority: int = 0
+    tenant: str = DEFAULT_TENANT
+    weight: float = 1.0
+
+
+NO_CLAIM = Claim()
+
 
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, continued by the engine's spans
 

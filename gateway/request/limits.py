@@ -4,8 +4,9 @@ body may be (checked while it is received).
 - ``check_limits``: messages, prompts, text, ``n``, ``max_tokens`` (as the request's ``Intake``
   measured them); a 400 naming the field and the limit. Any JSON shape is accepted: type
   validation stays with the engines.
-- ``BodySizeLimit`` (pure ASGI): a body over ``max_body_bytes`` is 413, whether Content-Length
-  says so or a chunked body grows past it while it is received.
+
+The body size is checked while it is received, at the HTTP edge (``BodySizeLimit`` in
+``gateway/http/middleware.py``).
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from starlette.types import ASGIApp, Receive, Scope, Send
-
 from gateway.request.intake import COPIES, DEFAULT_MAX_OUTPUT_TOKENS, NUMBERS, Intake, take_in
 from tandem_core.config import LimitsConfig
-from tandem_core.errors import BodyTooLarge, LimitExceeded
+from tandem_core.errors import LimitExceeded
 
 logger = logging.getLogger(__name__)
 
@@ -66,77 +65,6 @@ def check_limits(intake: Intake, limits: LimitsConfig) -> None:
                 _check_number(name, v, limits.max_n, "limits.max_n")
             else:  # the max output tokens
                 _check_number(name, v, limits.max_tokens_ceiling)
-
-
-def header(scope: Scope, name: bytes) -> bytes | None:
-    """A request header's raw value (ASGI scope), or None."""
-    return next((v for k, v in scope.get("headers", ()) if k.lower() == name), None)
-
-
-def _declared_length(scope: Scope) -> int | None:
-    raw = (header(scope, b"content-length") or b"").strip()
-    if not raw.isdigit():
-        return None  # absent (chunked) or malformed: the server's HTTP parser deals with the latter
-    return int(raw) if len(raw) <= 18 else 10**18
-
-
-class BodySizeLimit:
-    """413 for a body over ``max_body_bytes``: at once when Content-Length says so, else as soon
-    as the received chunks pass it (``receive`` raises BodyTooLarge inside the app).
-
-    Install it with ``app.add_middleware`` so it sits inside Starlette's ServerErrorMiddleware:
-    an ``Exception`` handler then never sees BodyTooLarge. Should the app turn it into its own
-    error response anyway (FastAPI's body parsing makes it a 400), that response is replaced."""
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int, per_path: dict[str, int] | None = None):
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-        self.per_path = per_path or {}  # a route's own limit (uploads: ``batches.max_file_bytes``)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        limit = self.per_path.get(scope["path"], self.max_body_bytes)
-        error = BodyTooLarge(limit)
-        declared = _declared_length(scope)
-        if declared is not None and declared > limit:
-            logger.info("refused %s %s: Content-Length %d is over %d bytes", scope.get("method"), scope["path"],
-                        declared, limit)
-            return await error.send_to(send)
-        received = 0
-        exceeded = started = answered = False
-
-        async def limited_receive() -> dict:
-            nonlocal received, exceeded
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    if not exceeded:
-                        logger.info("refused %s %s: body over %d bytes", scope.get("method"), scope["path"],
-                                    limit)
-                    exceeded = True
-                    raise error
-            return message
-
-        async def guarded_send(message: dict) -> None:
-            nonlocal started, answered
-            if exceeded:  # whatever the app answers to the exception, the answer is 413
-                if not started:
-                    started = answered = True
-                    await error.send_to(send)
-                return
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, guarded_send)
-        except BodyTooLarge:
-            if started and not answered:
-                raise  # the app had begun its own answer: let the server cut the connection
-        if exceeded and not started:
-            await error.send_to(send)
 
 
 def estimate_tokens(body: Any, generates: bool = True) -> int:

@@ -1,35 +1,26 @@
-"""What each replica probably has in its prefix cache, as one gateway process saw it.
+"""A prompt's prefix blocks: what the gateway knows of its prompt's cacheable prefix.
 
-``routing: prefix`` sends a request to the replica likely to hold the longest cached prefix of
-its prompt. The gateway cannot see token ids (it does not tokenize), so it approximates vLLM's
-prefix cache on the prompt's text: ``prompt_blocks`` cuts the text (chat messages in order, each
-message's role and text; or a completion's prompt) into blocks of ``BLOCK_CHARS`` characters,
-about 64 tokens, and chains each block's hash with its predecessor's, as vLLM chains its block
-hashes: equal hash at position i means equal text up to the end of block i. Only full blocks
+``routing: prefix`` (``gateway/routing/prefix_index.py``) sends a request to the replica likely
+to hold the longest cached prefix of its prompt. The gateway cannot see token ids (it does not
+tokenize), so it approximates vLLM's prefix cache on the prompt's text: ``prompt_blocks`` cuts the
+text (chat messages in order, each message's role and text; or a completion's prompt) into blocks
+of ``BLOCK_CHARS`` characters, about 64 tokens, and chains each block's hash with its
+predecessor's, as vLLM chains its block hashes: equal hash at position i means equal text up to
+the end of block i. Only full blocks
 count (vLLM caches only full blocks).
 
-``PrefixIndex`` keeps the block hashes of the prompts routed to one replica, least recently used
-first, up to ``max_blocks`` (memory bounded: ~100 bytes an entry). A prompt's blocks are recorded
-last block first, so its first blocks are the most recent and the last to be forgotten, as vLLM
-frees a finished request's blocks tail first. ``match`` counts the leading blocks present.
-
-Approximate by design: the index holds what this process routed, not what the engine kept (the
-engine evicts under its own memory pressure; other gateway processes route there too), images
-and tool definitions do not enter the text, and a different chat template rendering of equal
-messages would still match. Python's ``hash`` is salted per process; each process has its own
-index, so that is fine.
+Approximate by design: images and tool definitions do not enter the text, and a different chat
+template rendering of equal messages would still match. Python's ``hash`` is salted per process;
+each process has its own index (``PrefixIndex``), so that is fine.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
 from typing import Any
 
 BLOCK_CHARS = 256  # characters per block: ~64 tokens at the gateway's 4 characters a token
 BLOCK_IDS = 64  # token ids per block, for prompts given as token ids
 MAX_PROMPT_BLOCKS = 1024  # blocks hashed per prompt (256k characters); the rest does not steer routing
-DEFAULT_INDEX_BLOCKS = 16384  # per replica when the engine does not say its KV capacity (~1M tokens, ~2 MB)
 _SEP = "\x1f"  # between a message's fields and between messages: "ab"+"c" is not "a"+"bc"
 
 
@@ -102,41 +93,3 @@ def _chain_ids(ids: list) -> tuple[int, ...]:
             break
         out.append(h)
     return tuple(out)
-
-
-class PrefixIndex:
-    """The block hashes routed to one replica's engine, least recently used first, at most
-    ``max_blocks`` (``router.ModelPool`` keeps one per replica id and engine generation)."""
-
-    def __init__(self, max_blocks: int = DEFAULT_INDEX_BLOCKS):
-        if max_blocks < 1:
-            raise ValueError("max_blocks must be at least 1")
-        self.max_blocks = max_blocks
-        self._blocks: OrderedDict[int, None] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def match(self, blocks: Sequence[int]) -> int:
-        """How many of ``blocks``' leading blocks this replica probably holds."""
-        n = 0
-        for h in blocks:
-            if h not in self._blocks:
-                break
-            n += 1
-        return n
-
-    def insert(self, blocks: Sequence[int]) -> None:
-        """Record a prompt routed here: its blocks become the most recent, its first block last
-        of all; the least recently used blocks beyond ``max_blocks`` are forgotten."""
-        d = self._blocks
-        for h in reversed(blocks[:self.max_blocks]):
-            if h in d:
-                d.move_to_end(h)
-            else:
-                d[h] = None
-        while len(d) > self.max_blocks:
-            d.popitem(last=False)
-
-    def clear(self) -> None:
-        self._blocks.clear()

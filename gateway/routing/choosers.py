@@ -20,7 +20,8 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from gateway.request.prefix import BLOCK_CHARS, DEFAULT_INDEX_BLOCKS, PrefixIndex
+from gateway.request.prefix import BLOCK_CHARS
+from gateway.routing.prefix_index import DEFAULT_INDEX_BLOCKS, PrefixIndex
 from gateway.routing.replicas import Replica
 
 # Tokens a prefix block stands for (the gateway's estimate of 4 characters a token).

@@ -32,11 +32,12 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from gateway.admission.policy import DEFAULT_TENANT, Admission, Ticket
+from gateway.admission.policy import Admission, Ticket
 from gateway.admission.shared import POLL_S, PROMOTED
+from gateway.request.envelope import NO_CLAIM, Claim
 from gateway.request.intake import Intake
-from gateway.request.prefix import PrefixIndex
 from gateway.routing.choosers import AdapterAffinity, Affinity, PrefixChooser, p2c
+from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.replicas import Effect, Move, Replica, ReplicaState
 from tandem_core.errors import ErrorKind, TandemError
 
@@ -59,19 +60,6 @@ class Slot:
 
     replica: Replica
     cost: float = 1.0
-
-
-@dataclass(frozen=True)
-class Claim:
-    """Who asks for a slot, for admission (``gateway/admission/policy.py``): the request's priority
-    (vLLM's field: lower is more urgent), its tenant and the tenant's weight."""
-
-    priority: int = 0
-    tenant: str = DEFAULT_TENANT
-    weight: float = 1.0
-
-
-NO_CLAIM = Claim()
 
 
 @dataclass(eq=False)

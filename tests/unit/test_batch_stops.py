@@ -41,7 +41,7 @@ def _store_batch(store: BatchStore, n: int) -> str:
     b = store.add_batch(endpoint="/v1/chat/completions", input_file_id=f["id"], completion_window="24h",
                         window_s=86400, metadata=None, output_expires_s=None, tenant=None, key=None)
     store.add_lines(b["id"], [Line(i, f"c{i}", _line(i)) for i in range(n)], "fake")
-    store.move(b["id"], "in_progress", only_from=("validating",))
+    store.move(b["id"], "in_progress")
     return b["id"]
 
 
@@ -60,7 +60,7 @@ def test_a_runner_that_lost_its_lease_can_store_nothing(tmp_path):
     assert epoch_b == epoch_a + 1
     assert not a.holds(batch, ("a", epoch_a))
     assert not a.answer(batch, 1, _answer(1), ok=True, fence=("a", epoch_a))  # fenced: not stored
-    assert not a.move(batch, "finalizing", only_from=("in_progress",), fence=("a", epoch_a))
+    assert not a.move(batch, "finalizing", fence=("a", epoch_a))
     assert b.answer(batch, 1, _answer(1), ok=True, fence=("b", epoch_b))
     assert not b.answer(batch, 1, _answer(1), ok=True, fence=("b", epoch_b))  # one answer per line, ever
     assert a.claim("a", 10) == {}  # a's next poll finds nothing of its own
@@ -70,9 +70,9 @@ def test_a_batch_is_finalized_only_when_no_line_is_pending(tmp_path):
     store = BatchStore(tmp_path)
     batch = _store_batch(store, 2)
     assert store.answer(batch, 0, _answer(0), ok=True)
-    assert not store.move(batch, "finalizing", only_from=("in_progress",), answered=True)
+    assert not store.move(batch, "finalizing", answered=True)
     assert store.answer(batch, 1, _answer(1), ok=True)
-    assert store.move(batch, "finalizing", only_from=("in_progress",), answered=True)
+    assert store.move(batch, "finalizing", answered=True)
 
 
 def test_a_lease_shorter_than_three_polls_is_a_one_line_config_error():

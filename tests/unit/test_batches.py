@@ -156,7 +156,7 @@ def test_a_batch_left_in_any_state_by_a_dead_process_is_taken_over(tmp_path, sta
             for i in range(1, 6 if state == "finalizing" else 3):
                 store.answer(b["id"], i, {"custom_id": f"c{i}", "response": {"status_code": 200, "body": {}},
                                           "error": None}, ok=True)
-        store.move(b["id"], "in_progress", only_from=("validating",))
+        store.move(b["id"], "in_progress")
         if state != "in_progress":
             store.move(b["id"], state)
     store.close()

@@ -1,5 +1,5 @@
 """The request record (``gateway/request/envelope.py``) and serving it without HTTP (issue 33): a batch
-job's line goes through ``gateway.http.generate.serve`` as a route handler's request does, with its
+job's line goes through ``gateway.serving.serve`` as a route handler's request does, with its
 key's tenant and priority, and the record crosses the hop to the replica as an ``EngineRequest``."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from gateway.admission.keys import resolve_keys
 from gateway.config import parse_config
-from gateway.http.generate import serve
 from gateway.request.envelope import envelope
+from gateway.serving.serve import serve
 from gateway.serving.service import Service
 from tandem_core.errors import ErrorKind, TandemError
 from tandem_core.protocol import EngineRequest

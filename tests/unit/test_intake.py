@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gateway.http.generate as generate_module
+import gateway.serving.serve as serve_module
 from gateway.request.intake import DEFAULT_MAX_OUTPUT_TOKENS, parse_json, take_in
 from gateway.request.limits import check_limits, estimate_tokens
 from gateway.routing.router import request_cost
@@ -326,7 +327,7 @@ class CountingList(list):
 
 
 def test_the_gateway_walks_a_body_once_before_it_takes_a_slot(monkeypatch):
-    parse, acquire = generate_module.parse_json, generate_module._acquire
+    parse, acquire = generate_module.parse_json, serve_module._acquire
     seen = []
 
     def counting_parse(raw, max_depth):
@@ -340,7 +341,7 @@ def test_the_gateway_walks_a_body_once_before_it_takes_a_slot(monkeypatch):
         return await acquire(*args, **kwargs)
 
     monkeypatch.setattr(generate_module, "parse_json", counting_parse)
-    monkeypatch.setattr(generate_module, "_acquire", counting_acquire)
+    monkeypatch.setattr(serve_module, "_acquire", counting_acquire)
     key = "sk-tandem-intake-0123456789"
     extra = {"model_fields": {"session_affinity": {"enabled": True}},
              "auth": {"api_keys": [{"key": key, "tokens_per_minute": 100_000}]}}

@@ -125,8 +125,72 @@ def test_the_diffusion_engine_is_laid_out_by_stage():
     assert not wrong, "a stage imports one above or beside it:\n" + "\n".join(sorted(wrong))
 
 
+# The gateway's folders are the stages a request passes through, bottom to top; a stage imports
+# only the stages below it. The composition's top (config, processes) sits at the package's root.
+GATEWAY_STAGES = ["observability", "request", "admission", "routing", "fleet", "serving", "batches", "http"]
+GATEWAY_TOP = {"__init__", "config", "processes"}
+HTTP_LIBS = {"fastapi", "starlette", "uvicorn"}
+
+
+def gateway_stage_arrows(g: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for mod, deps in g.items():
+        parts = mod.split(".")
+        if parts[0] != "gateway" or len(parts) < 3:
+            continue
+        for dep in deps:
+            d = dep.split(".")
+            if d[0] != "gateway" or d[1] == parts[1]:
+                continue
+            if len(d) < 3 or d[1] not in GATEWAY_STAGES:
+                wrong.append(f"{mod} -> {dep} (the top of the gateway)")
+            elif GATEWAY_STAGES.index(d[1]) > GATEWAY_STAGES.index(parts[1]):
+                wrong.append(f"{mod} -> {dep} ({d[1]} is above {parts[1]})")
+    return sorted(wrong)
+
+
+def external_imports(path: Path) -> set[str]:
+    """The top-level packages outside tandem that ``path`` imports (lazy imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_gateway_is_laid_out_by_stage():
+    top = {p.stem for p in (ROOT / "gateway").glob("*.py")}
+    assert top == GATEWAY_TOP, f"modules outside a stage's folder: {top - GATEWAY_TOP}"
+    folders = {p.name for p in (ROOT / "gateway").iterdir() if (p / "__init__.py").exists()}
+    assert folders == set(GATEWAY_STAGES), folders
+    wrong = gateway_stage_arrows(graph())
+    assert not wrong, "a gateway stage imports one above it:\n" + "\n".join(wrong)
+
+
+def test_only_the_http_stage_imports_the_web_framework():
+    """Everything below ``gateway/http/`` serves a request's record with no HTTP object (a batch
+    line is served as a route's request is); ``processes`` (the top) starts the server."""
+    wrong = {str(p.relative_to(ROOT)): sorted(external_imports(p) & HTTP_LIBS)
+             for p in (ROOT / "gateway").rglob("*.py")
+             if p.parent.name != "http" and p.stem not in GATEWAY_TOP and external_imports(p) & HTTP_LIBS}
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize(("module", "planted"), [
+    ("gateway.request.envelope", "gateway.routing.router"),  # the request record reaching up to routing
+    ("gateway.observability.metrics", "gateway.batches.store"),
+    ("gateway.routing.router", "gateway.processes"),
+])
+def test_the_stage_rule_fails_on_a_planted_upward_import(module, planted):
+    g = graph()
+    g[module] = g[module] | {planted}
+    assert any(w.startswith(f"{module} -> {planted}") for w in gateway_stage_arrows(g)), planted
+
+
 def test_gateway_holds_no_tool():
-    names = {p.stem for p in (ROOT / "gateway").glob("*.py")}
+    names = {p.stem for p in (ROOT / "gateway").rglob("*.py")}
     assert not names & {"bench", "bench_diffusion", "loadgen", "vllm_cli_shim", "cli"}, names
 
 

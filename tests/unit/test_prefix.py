@@ -4,7 +4,8 @@ per-replica LRU of them. Routing on it is tested in test_router.py."""
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from gateway.request.prefix import BLOCK_CHARS, BLOCK_IDS, MAX_PROMPT_BLOCKS, PrefixIndex, prompt_blocks
+from gateway.request.prefix import BLOCK_CHARS, BLOCK_IDS, MAX_PROMPT_BLOCKS, prompt_blocks
+from gateway.routing.prefix_index import PrefixIndex
 
 SYSTEM = "You are the support assistant of tenant seven. " * 40  # ~1,900 characters
 

@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.http.generate import replica_of_response, response_id
 from gateway.http.streaming import error_event
+from gateway.serving.serve import replica_of_response, response_id
 from tandem_core.errors import ErrorKind, TandemError
 from tandem_core.protocol import ROUTE_TABLE, ROUTES, served_routes
 from tests.unit.gateway_server import fake_gateway

@@ -10,11 +10,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from gateway.admission.keys import AuthMiddleware, KeyStore, RateLimiter, ResolvedKey, TokenBucket, resolve_keys
+from gateway.admission.keys import KeyStore, RateLimiter, ResolvedKey, TokenBucket, resolve_keys
 from gateway.http import security
+from gateway.http.middleware import AuthMiddleware, BodySizeLimit
 from gateway.http.security import install_security
 from gateway.request.intake import parse_json, take_in
-from gateway.request.limits import BodySizeLimit, check_limits, estimate_tokens
+from gateway.request.limits import check_limits, estimate_tokens
 from tandem_core.config import ApiKey, AuthConfig, CorsConfig, LimitsConfig
 from tandem_core.errors import BodyTooLarge, LimitExceeded, RateLimited, TandemError, Unauthenticated
 

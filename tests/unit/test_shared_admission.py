@@ -10,8 +10,9 @@ import random
 
 from gateway.admission.shared import SharedShares, create_shared_admission, create_store, tenants_of
 from gateway.admission.shared_limits import SharedStore
+from gateway.request.envelope import Claim
 from gateway.routing.replicas import Replica, ReplicaState
-from gateway.routing.router import Claim, ModelPool
+from gateway.routing.router import ModelPool
 from tandem_core.config import TandemConfig
 
 TENANTS = ["anonymous", "light", "heavy"]
