@@ -63,7 +63,7 @@ class DiffusionEngineArgs(BaseModel):
                                         "takes its chunk's pass as one compiled graph, and the step's draws and "
                                         "acceptance are compiled too (with compiled_trunk: a whole step is 56.5 / 55.5 "
                                         "ops a layer at the 2-layer shape model at 1 row / a chunk of 4, counted on "
-                                        "the host by tandem_tools.opcount; not yet on a device). None: "
+                                        "the host by tandem_tools.bench.opcount; not yet on a device). None: "
                                         "on for cpu (0.57 against 0.87 CPU s a row-step at DiffusionGemma's shape, "
                                         "1.2x its two GEMMs), off on cuda (not measured there yet).")
     compiled_trunk: bool = Field(False, description="Fast sampler (ignored by the exact one): the decoder "

@@ -15,7 +15,11 @@ from gateway.observability.logs import setup_logging
 from gateway.serving.service import Service
 from tandem_core.config import DEFAULT_CONFIG
 from tandem_core.protocol import Role
-from tandem_tools import bench, bench_diffusion, bench_diffusion_prefix, bench_prefix, serve_model
+from tandem_tools import serve_model
+from tandem_tools.bench import diffusion as bench_diffusion
+from tandem_tools.bench import diffusion_prefix as bench_diffusion_prefix
+from tandem_tools.bench import main as bench
+from tandem_tools.bench import prefix as bench_prefix
 from tandem_tools.serve_model import ServeError
 from workers import tiny_models
 from workers.deployment import RayDeployment
@@ -143,15 +147,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.mode == "diffusion-prefix":
         return bench_diffusion_prefix.main(args)
     if args.mode == "tenants":
-        from tandem_tools import bench_tenants
+        from tandem_tools.bench import tenants as bench_tenants
 
         return bench_tenants.main(args.extra)
     if args.mode == "batch":
-        from tandem_tools import bench_batch
+        from tandem_tools.bench import batch as bench_batch
 
         return bench_batch.main(args.extra)
     if args.mode == "decisions":
-        from tandem_tools import bench_decisions
+        from tandem_tools.bench import decisions as bench_decisions
 
         return bench_decisions.main(args.extra)
     return bench.main(args)

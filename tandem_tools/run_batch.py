@@ -126,7 +126,7 @@ def _server(args: argparse.Namespace):
     import socket
     import tempfile
 
-    from tandem_tools.servers import Server
+    from tandem_tools.bench.servers import Server
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,11 +1,11 @@
-"""A real OTLP/HTTP trace receiver, in-process (``tandem_tools.otlp_sink``'s server): it keeps
+"""A real OTLP/HTTP trace receiver, in-process (``tandem_tools.bench.otlp_sink``'s server): it keeps
 every span it decodes, whoever sent it (the gateway, a replica, vLLM)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem_tools.otlp_sink import Sink
+from tandem_tools.bench.otlp_sink import Sink
 
 
 @dataclass

@@ -341,7 +341,7 @@ def _vocab_math(x: torch.Tensor, e: torch.Tensor, inv_t: torch.Tensor, cap: floa
 
 def _compiled_math():
     """``_vocab_math`` under inductor (compiled at its first call, a few seconds per shape): its
-    passes fused into C++ loops over the canvas x vocabulary (``python -m tandem_tools.bench_vocab``
+    passes fused into C++ loops over the canvas x vocabulary (``python -m tandem_tools.bench.vocab``
     measures it against the eager passes and the two GEMMs)."""
     return torch.compile(_vocab_math, dynamic=False)
 

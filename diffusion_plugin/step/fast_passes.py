@@ -235,7 +235,7 @@ class FastPasses:
             self.accept(entropy, entropy[:, :1], entropy[:, 0], ids, ids, ids, ids)
 
     def instrument(self, wrap) -> None:
-        """For a measuring tool (``tandem_tools.opcount``): each compiled part of the step (the
+        """For a measuring tool (``tandem_tools.bench.opcount``): each compiled part of the step (the
         trunk; in the device form the draws, the acceptance and the family's compiled vocabulary
         pass) becomes ``wrap(name, eager)``, ``eager`` the part's uncompiled function."""
         if self.compiled_trunk:

@@ -19,7 +19,7 @@ def _free_port() -> int:
 
 def _missing_stack() -> str | None:
     missing = [m for m in ("ray", "vllm", "fastapi") if importlib.util.find_spec(m) is None]
-    return f"the serving stack is not installed here ({', '.join(missing)}): use tandem_tools.bench_device" \
+    return f"the serving stack is not installed here ({', '.join(missing)}): use tandem_tools.bench.device" \
         if missing else None
 
 

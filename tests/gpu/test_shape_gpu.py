@@ -130,7 +130,7 @@ def test_the_device_form_is_batch_invariant_on_gpu(adapter, prompts):
 def test_the_device_form_launches_at_most_60_a_layer_on_gpu(adapter, rows):
     """Issue 36's count for a whole step on the device, in its device form: the compiled parts'
     launches (read from inductor's code) and every other aten op, per layer, at 1 and 4 rows."""
-    from tandem_tools.opcount import count_step
+    from tandem_tools.bench.opcount import count_step
 
     result = count_step(adapter, rows, "fast", device_form=True)
     print(f"\nwhole step, device form, on {DEVICE}, {rows} row(s): {result['ops']} ({result['per_layer']} a layer); "
@@ -149,7 +149,7 @@ def test_a_fast_step_waits_for_the_device_once_on_gpu(adapter, form):
 
     from torch._dynamo.utils import counters
 
-    from tandem_tools.step_driver import Steps
+    from tandem_tools.bench.step_driver import Steps
 
     device_form = form == "device"
     # Four blocks: contexts of 1, 3, 5 and 7 pages (tables of 1, 4, 8, 8), so the third commit's
@@ -186,8 +186,8 @@ def test_a_fast_step_waits_for_the_device_once_on_gpu(adapter, form):
 def test_the_compiled_trunk_launches_at_most_60_kernels_a_layer_on_gpu(adapter, rows):
     """Issue 36's count on the device: the compiled trunk's launches (triton kernels and GEMM or
     grouped-GEMM calls, read from inductor's code) per layer, at 1 and 4 rows; no host sync in the
-    step (``tandem_tools.opcount``)."""
-    from tandem_tools.opcount import count_step
+    step (``tandem_tools.bench.opcount``)."""
+    from tandem_tools.bench.opcount import count_step
 
     result = count_step(adapter, rows, "fast", compiled_trunk=True)
     launches = result["trunk"]["launches"]

@@ -1,6 +1,6 @@
 """`tandem serve` with several gateway processes around fake engines in real Ray actors
 (``python -m tests.integration.processes_serve CONFIG``), for tests/integration/test_gateway_processes.py
-and tandem_tools/gateway_ceiling.py's kind of run."""
+and tandem_tools/bench/gateway_ceiling.py's kind of run."""
 
 import functools
 import sys

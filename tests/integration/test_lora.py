@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from tandem_tools.servers import Server
-from tandem_tools.setups import _vllm_flags
+from tandem_tools.bench.servers import Server
+from tandem_tools.bench.setups import _vllm_flags
 from tests.integration.stack import ENGINE_ARGS, REPO, running_stack
 from tests.unit.gateway_server import free_port
 from tests.waiting import wait_for

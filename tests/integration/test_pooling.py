@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tandem_tools.servers import Server
+from tandem_tools.bench.servers import Server
 from tests.integration.stack import REPO, running_stack
 from tests.unit.gateway_server import free_port
 from workers import tiny_models

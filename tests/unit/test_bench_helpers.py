@@ -5,12 +5,12 @@ import sys
 
 import pytest
 
-from tandem_tools import procstat, vllm_bench
-from tandem_tools.bench import format_table, num_prompts, round_order, summarize
+from tandem_tools.bench import procstat, vllm_bench
+from tandem_tools.bench.loadgen import percentile
+from tandem_tools.bench.main import format_table, num_prompts, round_order, summarize
+from tandem_tools.bench.setups import _vllm_flags, missing_binaries, router_argv
+from tandem_tools.bench.vllm_bench import LevelResult, LevelSpec, bench_serve_argv, cpu_delta, parse_result
 from tandem_tools.cli import build_parser
-from tandem_tools.loadgen import percentile
-from tandem_tools.setups import _vllm_flags, missing_binaries, router_argv
-from tandem_tools.vllm_bench import LevelResult, LevelSpec, bench_serve_argv, cpu_delta, parse_result
 
 
 def test_percentile():
@@ -166,7 +166,7 @@ def test_proc_readers_see_this_process_and_its_children():
     import subprocess
     import sys
 
-    from tandem_tools.bench_diffusion import proc_cpu_s, proc_mem, proc_tree, reset_peak
+    from tandem_tools.bench.diffusion import proc_cpu_s, proc_mem, proc_tree, reset_peak
 
     # a child that stays alive until killed below (its sleep is its lifetime, not a synchronisation)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -188,7 +188,7 @@ def test_proc_readers_see_this_process_and_its_children():
 
 
 def test_memory_per_row_and_request_counts():
-    from tandem_tools.bench_diffusion import MB, memory_per_row, num_requests
+    from tandem_tools.bench.diffusion import MB, memory_per_row, num_requests
 
     m = memory_per_row(100 * MB, 500 * MB, 300 * MB, 4)
     assert (m["peak_growth_per_row_mb"], m["mean_growth_per_row_mb"], m["rss_before_mb"]) == (100, 50, 100)
@@ -198,7 +198,7 @@ def test_memory_per_row_and_request_counts():
 
 
 def test_diffusion_bodies_carry_steps_and_seeds():
-    from tandem_tools.bench_diffusion import bodies
+    from tandem_tools.bench.diffusion import bodies
 
     a = bodies("m", 3, 256, seed=4, steps=8)
     assert a == bodies("m", 3, 256, seed=4, steps=8)
@@ -210,7 +210,7 @@ def test_diffusion_bodies_carry_steps_and_seeds():
 def test_tandem_config_sets_the_sampler_and_one_thread():
     import argparse
 
-    from tandem_tools.bench_diffusion import tandem_config
+    from tandem_tools.bench.diffusion import tandem_config
 
     args = argparse.Namespace(port=9, memory_budget_gib=0)
     exact = tandem_config(args, "m", "/p", "exact", "row", 4)["models"][0]["engine_args"]
@@ -223,7 +223,7 @@ def test_tandem_config_sets_the_sampler_and_one_thread():
 def test_levels_and_model_names():
     import argparse
 
-    from tandem_tools.bench_diffusion import _model, levels_for
+    from tandem_tools.bench.diffusion import _model, levels_for
 
     def ns(**kw):
         return argparse.Namespace(**{"concurrency": "1,8,32", "model": "tiny-diffusiongemma",
@@ -239,14 +239,14 @@ def test_levels_and_model_names():
 
 
 def test_fifo_latencies():
-    from tandem_tools.bench_diffusion import fifo_latencies
+    from tandem_tools.bench.diffusion import fifo_latencies
 
     assert fifo_latencies([1.0, 1.0, 1.0], 1) == [1.0, 1.0, 1.0]
     assert fifo_latencies([1.0, 1.0], 2) == [1.0, 2.0]  # the second client waits for the first
 
 
 def test_diffusion_table_has_ratios_to_hf_sequential_and_skips():
-    from tandem_tools.bench_diffusion import format_table
+    from tandem_tools.bench.diffusion import format_table
 
     results = {"hf sequential": {1: {"tokens_per_s": 5.0, "cpu_ms_per_token": 200.0}},
                "hf static batch": {1: {"skipped": "needs ~9.0 GiB > --max-rss-gib 7"}},
@@ -261,7 +261,7 @@ def test_diffusion_table_has_ratios_to_hf_sequential_and_skips():
 
 
 def test_engine_sampler_summarises_reservations_per_row():
-    from tandem_tools.bench_diffusion import MB, EngineSampler
+    from tandem_tools.bench.diffusion import MB, EngineSampler
 
     s = EngineSampler("http://127.0.0.1:9", "m")
     s.samples = [{"running": 2, "memory_reserved_bytes": 100 * MB, "waiting_for_memory": 3},
@@ -273,14 +273,14 @@ def test_engine_sampler_summarises_reservations_per_row():
 
 
 def test_code_version_names_a_commit():
-    from tandem_tools.bench_diffusion import code_version
+    from tandem_tools.bench.diffusion import code_version
 
     v = code_version()
     assert v and " " not in v
 
 
 def test_hoptrace_takes_each_hops_first_time_in_its_request_window():
-    from tandem_tools.hoptrace import first_in_windows, format_hops, hop_table
+    from tandem_tools.bench.hoptrace import first_in_windows, format_hops, hop_table
 
     events = [(5, "g_asgi_in"), (10, "g_asgi_in"), (12, "g_body"), (13, "g_body"), (30, "g_asgi_in"), (34, "g_body")]
     per_request = first_in_windows(events, [(10, 20), (30, 40)])
@@ -296,14 +296,14 @@ def test_hoptrace_takes_each_hops_first_time_in_its_request_window():
 
 
 def test_transport_bench_rows():
-    from tandem_tools.transport_bench import format_rows
+    from tandem_tools.bench.transport import format_rows
 
     r = {"call": [1_000_000, 2_000_000, 3_000_000], "item": [500_000] * 3, "cpu": (0.003, 0.006)}
     assert format_rows({"ray": r}, 3).splitlines()[-1] == "| ray | 2.00 / 2.00 | 0.50 / 0.50 | 1.000 / 2.000 |"
 
 
 def test_hoptrace_stage_gaps_show_where_a_stall_starts():
-    from tandem_tools.hoptrace import format_gaps, stage_gaps
+    from tandem_tools.bench.hoptrace import format_gaps, stage_gaps
 
     ms = 1_000_000
     events = [(t * ms, "v_output") for t in (0, 2, 4, 6)] + [(t * ms, "g_feed") for t in (1, 3, 40, 42)]
@@ -315,7 +315,7 @@ def test_hoptrace_stage_gaps_show_where_a_stall_starts():
 def test_bench_parsing_runs_and_parses_every_call(capsys):
     """The parser benchmark at a small size: its own check (every finished call parsed) holds and it
     prints the three text paths."""
-    from tandem_tools.bench_parsing import main
+    from tandem_tools.bench.parsing import main
 
     main(["--tokens", "600", "--canvas", "64", "--rounds", "1"])
     out = capsys.readouterr().out
@@ -325,7 +325,7 @@ def test_bench_parsing_runs_and_parses_every_call(capsys):
 
 def test_bench_sampling_runs_on_the_tiny_model(capsys):
     """The sampling-fields benchmark at a small size: every setup runs and the tables print."""
-    from tandem_tools.bench_sampling import main
+    from tandem_tools.bench.sampling import main
 
     main(["--model", "tiny-diffusiongemma", "--rounds", "1", "--concurrency", "2", "--steps", "2",
           "--max-tokens", "32", "--score-tokens", "70", "--micro", "--variants", "none,top_p=0.9,min_tokens=256"])

@@ -10,7 +10,7 @@ from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
 from diffusion_plugin.step import attention, gemm
 from diffusion_plugin.step.compiled import compile_trunk
 from diffusion_plugin.step.kv_view import bucket_width
-from tandem_tools.step_driver import Steps
+from tandem_tools.bench.step_driver import Steps
 from tests.fast_runs import run as _run
 from workers import tiny_models
 
@@ -121,11 +121,11 @@ def test_the_device_form_is_batch_invariant_on_the_host(adapter):
 
 
 def test_the_device_form_step_takes_at_most_60_a_layer_whatever_the_rows(adapter):
-    """Issue 36's measure (``tandem_tools.opcount --device-form``) on the tiny model's code path: a
+    """Issue 36's measure (``tandem_tools.bench.opcount --device-form``) on the tiny model's code path: a
     whole fast step in its device form counts the compiled parts' launches (from inductor's code)
     and every other aten op; at most 60 a layer, at 1 row as at 4 (no growth with the rows), no
     host sync."""
-    from tandem_tools.opcount import count_step
+    from tandem_tools.bench.opcount import count_step
 
     one, four = (count_step(adapter, rows, "fast", device_form=True) for rows in (1, 4))
     for result in (one, four):

@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffusion_plugin.families.diffusiongemma import DiffusionGemmaAdapter
 from diffusion_plugin.step.staging import stage
-from tandem_tools.opcount import HOST_TENSOR
-from tandem_tools.step_driver import Steps
+from tandem_tools.bench.opcount import HOST_TENSOR
+from tandem_tools.bench.step_driver import Steps
 from workers import tiny_models
 
 CPU = torch.device("cpu")

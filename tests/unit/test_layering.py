@@ -194,7 +194,7 @@ def test_gateway_holds_no_tool():
     assert not names & {"bench", "bench_diffusion", "loadgen", "vllm_cli_shim", "cli"}, names
 
 
-@pytest.mark.parametrize("bad", ["from gateway.http.app import build_app", "import tandem_tools.bench",
+@pytest.mark.parametrize("bad", ["from gateway.http.app import build_app", "import tandem_tools.bench.main",
                                  "from diffusion_plugin.step import runner", "from workers import tiny_models"])
 def test_the_checks_catch_a_wrong_arrow_and_a_cycle(tmp_path, bad):
     """The checks above can fail: a module of tandem_core or workers with a wrong import is
@@ -243,3 +243,10 @@ def test_a_replica_state_is_assigned_only_by_its_state_machine():
 def _line(where: str) -> str:
     path, line = where.rsplit(":", 1)
     return (ROOT / path).read_text().splitlines()[int(line) - 1]
+
+
+def test_tandem_tools_holds_the_product_apart_from_the_benchmarks():
+    """The ``tandem`` command's own modules at the top of tandem_tools/; every benchmark and
+    measuring tool in tandem_tools/bench/."""
+    top = {p.stem for p in (ROOT / "tandem_tools").glob("*.py")}
+    assert top == {"__init__", "cli", "config_doc", "run_batch", "serve_model", "vllm_cli_shim"}, top

@@ -310,7 +310,7 @@ def test_the_bench_runs_tandem_on_both_channels(tmp_path):
 
     import yaml
 
-    from tandem_tools.setups import TANDEM_RAY, build_setups
+    from tandem_tools.bench.setups import TANDEM_RAY, build_setups
 
     setups = build_setups(argparse.Namespace(port=9), "/m", tmp_path)
     channels = {}

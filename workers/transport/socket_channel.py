@@ -5,7 +5,7 @@ where its channel listens: ``EngineActor.open_socket`` (a Ray call) answers (hos
 Only the channel's traffic takes the socket: ``submit`` and ``abort`` in, batches of items out
 (``channel.py``'s ``Outbox`` and ``Demux`` on either end, as over Ray). Why: a Ray actor call
 and a streamed Ray item cost an order of magnitude more than a socket's round trip
-(``tandem_tools.transport_bench``), and so did the gateway's CPU per streamed token (the
+(``tandem_tools.bench.transport``), and so did the gateway's CPU per streamed token (the
 figures: docs/benchmarks.md).
 
 Frames: a 4-byte big-endian length, then a pickle (protocol 5). **Authentication comes before

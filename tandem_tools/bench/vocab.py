@@ -1,4 +1,4 @@
-"""`python -m tandem_tools.bench_vocab`: the fast mode's vocabulary pass at the real shape, against
+"""`python -m tandem_tools.bench.vocab`: the fast mode's vocabulary pass at the real shape, against
 its two-GEMM limit, eager and compiled by inductor (issue 36's CPU question).
 
 One denoise step of one row on ``shape-diffusiongemma`` (canvas 256 x vocabulary 262,144, one
@@ -128,7 +128,7 @@ def step_cpu(adapter, rows: int, compiled: bool, steps: int, trunk: bool = False
     """CPU seconds of one whole fast denoise step (the trunk and the vocabulary pass) of ``rows``
     rows, the median over ``steps`` denoise-only steps (``trunk``: after as many untimed ones, in
     which its graphs compile)."""
-    from tandem_tools.step_driver import Steps
+    from tandem_tools.bench.step_driver import Steps
 
     drive, times = Steps(adapter, rows, compiled=compiled, grow=8, max_tokens=4096, compiled_trunk=trunk), []
     for _ in range(steps if trunk else 0):
@@ -142,7 +142,7 @@ def step_cpu(adapter, rows: int, compiled: bool, steps: int, trunk: bool = False
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tandem_tools.bench_vocab", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tandem_tools.bench.vocab", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="shape-diffusiongemma")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as in a Ray actor)")

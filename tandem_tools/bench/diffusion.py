@@ -34,8 +34,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tandem_tools.loadgen import percentile, run_level
-from tandem_tools.servers import Server, prompts
+from tandem_tools.bench.loadgen import percentile, run_level
+from tandem_tools.bench.servers import Server, prompts
 
 logger = logging.getLogger("tandem.bench")
 TINY = "tiny-diffusiongemma"
@@ -312,7 +312,7 @@ def run_hf(args, model_path: str, workdir: Path, levels: list[int]) -> tuple[dic
             "requests": args.requests, "max_rss_gib": args.max_rss_gib, "device": getattr(args, "device", "cpu")}
     log = workdir / "hf.log"
     with log.open("w") as err:
-        proc = subprocess.run([sys.executable, "-m", "tandem_tools.bench_diffusion", "--hf-child", json.dumps(spec)],
+        proc = subprocess.run([sys.executable, "-m", "tandem_tools.bench.diffusion", "--hf-child", json.dumps(spec)],
                               stdout=subprocess.PIPE, stderr=err, text=True, timeout=args.level_timeout * 4)
     if proc.returncode != 0:
         raise RuntimeError(f"HF generate() child failed ({proc.returncode}); see {log}: {log.read_text()[-2000:]}")
@@ -492,7 +492,7 @@ def _model(args) -> tuple[str, str, list[str]]:
 def code_version() -> str:
     """The commit the benchmark runs (servers import the working tree when they start: a tree
     edited during a run mixes versions, hence "dirty")."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     try:
         return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
@@ -510,10 +510,11 @@ def levels_for(args, max_batch: int = 0) -> list[int]:
 
 
 def op_counts(model_path: str, rows: str = "1,4", device_form: bool = False) -> list[dict]:
-    """``tandem_tools.opcount`` on the benchmark's model, in its own process (one model in memory
+    """``tandem_tools.bench.opcount`` on the benchmark's model, in its own process (one model in memory
     at a time), eager or in the step's device form; [] if it fails (logged)."""
-    proc = subprocess.run([sys.executable, "-m", "tandem_tools.opcount", "--model", str(Path(model_path).resolve()),
-                           "--rows", rows, "--json", *(["--device-form"] if device_form else [])],
+    proc = subprocess.run([sys.executable, "-m", "tandem_tools.bench.opcount",
+                           "--model", str(Path(model_path).resolve()), "--rows", rows, "--json",
+                           *(["--device-form"] if device_form else [])],
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         logger.error("opcount failed: %s", proc.stderr[-1500:])
@@ -561,7 +562,7 @@ def main(args) -> int:
     ops = [{**r, "form": form} for form in forms for r in op_counts(model_path, device_form=form == "device")]
     for r in ops:
         how = ("eager" if r["form"] == "eager" else "device form: compiled parts' launches from inductor's code")
-        print(f"aten ops per fast denoise step ({how}; counted on the host, python -m tandem_tools.opcount"
+        print(f"aten ops per fast denoise step ({how}; counted on the host, python -m tandem_tools.bench.opcount"
               f"{' --device-form' if r['form'] == 'device' else ''}): {r['rows']} row(s): {r['ops']:,}, "
               f"{r['per_layer']:,} per layer; host syncs {r['syncs'] or 'none'}")
     if args.out:
@@ -576,4 +577,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--hf-child":
         print(json.dumps(_hf_child(json.loads(sys.argv[2]))))
         sys.exit(0)
-    sys.exit("usage: python -m tandem_tools.bench_diffusion --hf-child SPEC (use `tandem bench --mode diffusion`)")
+    sys.exit("usage: python -m tandem_tools.bench.diffusion --hf-child SPEC (use `tandem bench --mode diffusion`)")

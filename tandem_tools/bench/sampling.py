@@ -1,4 +1,4 @@
-"""`python -m tandem_tools.bench_sampling`: what vLLM's sampling fields and prompt scoring cost a
+"""`python -m tandem_tools.bench.sampling`: what vLLM's sampling fields and prompt scoring cost a
 diffusion row, at the real shape.
 
 The diffusion runner in this process (one engine alive at a time, one torch thread as in a Ray

@@ -3,7 +3,7 @@ fake engines that answer at once (``token_delay_s: 0``), and the CPU each part s
 streamed tokens (gateway processes, the parent, the replicas' actors, the load generator), read
 from /proc.
 
-    python -m tandem_tools.gateway_ceiling --processes 1,2,4 --concurrency 32 --seconds 20
+    python -m tandem_tools.bench.gateway_ceiling --processes 1,2,4 --concurrency 32 --seconds 20
 
 The load generator is a separate process (``--load``): raw HTTP/1.1 keep-alive connections on
 asyncio, one streamed chat after another per connection, counting tokens in the bytes (no JSON,
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -140,7 +140,8 @@ def measure(processes: int, args, tmp: Path) -> dict:
     cfg = tmp / f"ceiling-{processes}.json"
     cfg.write_text(json.dumps(config))
     log = open(tmp / f"ceiling-{processes}.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "tandem_tools.gateway_ceiling", "--serve", str(cfg)], cwd=REPO,
+    server = subprocess.Popen([sys.executable, "-m", "tandem_tools.bench.gateway_ceiling", "--serve", str(cfg)],
+                              cwd=REPO,
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -157,7 +158,7 @@ def measure(processes: int, args, tmp: Path) -> dict:
         rows = httpx.get(url + "/admin/replicas", timeout=30).json()["replicas"]
         actors = [r["pid"] for r in rows]
         gateways = [p for p in children(server.pid) if "spawn_main" in cmdline(p)]
-        load = subprocess.Popen([sys.executable, "-m", "tandem_tools.gateway_ceiling", "--load", url,
+        load = subprocess.Popen([sys.executable, "-m", "tandem_tools.bench.gateway_ceiling", "--load", url,
                                  str(args.concurrency), str(args.seconds), str(args.warmup), str(args.tokens)],
                                 cwd=REPO, stdout=subprocess.PIPE, text=True)
         time.sleep(args.warmup)  # the load generator's own warm-up: CPU counted from here

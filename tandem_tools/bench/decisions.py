@@ -3,7 +3,7 @@
 completions (all at once, each its own request), in interleaved rounds. One `tandem serve` per
 model, one alive at a time; CPU is the server's whole process tree (gateway, Ray, replicas).
 
-    python -m tandem_tools.bench_decisions            (or: tandem bench --mode decisions)
+    python -m tandem_tools.bench.decisions            (or: tandem bench --mode decisions)
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tandem_tools import procstat
-from tandem_tools.bench_common import per_model
-from tandem_tools.servers import Server, prompts
+from tandem_tools.bench import procstat
+from tandem_tools.bench.common import per_model
+from tandem_tools.bench.servers import Server, prompts
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 logger = logging.getLogger("tandem.bench")
 MODELS = {
     "tiny-llama": {"kind": "autoregressive", "source": "builtin:tiny-llama", "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},

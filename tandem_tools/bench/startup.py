@@ -3,7 +3,7 @@ each serves (tandem: /ready; vLLM: /v1/models), the CPU seconds its process tree
 there, and whether a greedy answer is the same. One server alive at a time, in interleaved
 rounds; the diffusion model (no peer server) is timed alone.
 
-    python -m tandem_tools.bench_startup --rounds 2
+    python -m tandem_tools.bench.startup --rounds 2
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import httpx
 
-from tandem_tools import procstat
-from tandem_tools.servers import Server
+from tandem_tools.bench import procstat
+from tandem_tools.bench.servers import Server
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FLAGS = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager"]
 logger = logging.getLogger("tandem.bench")
 

@@ -41,9 +41,9 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tandem_tools import procstat
-from tandem_tools.loadgen import percentile
-from tandem_tools.servers import Server, prompts
+from tandem_tools.bench import procstat
+from tandem_tools.bench.loadgen import percentile
+from tandem_tools.bench.servers import Server, prompts
 from workers import tiny_models
 
 logger = logging.getLogger("tandem.bench")
@@ -312,7 +312,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m tandem_tools.bench_prefix", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tandem_tools.bench.prefix", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="info")
     add_arguments(parser, standalone=True)
     ns = parser.parse_args()

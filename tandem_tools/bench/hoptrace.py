@@ -1,7 +1,7 @@
 """Where a streaming request's first token spends its time: a timestamp at every hop, in every
 process (the gateway, the replica actor, `vllm serve`), for sequential requests (c=1).
 
-``python -m tandem_tools.hoptrace [--targets direct,tandem] [--requests 40]`` starts each server
+``python -m tandem_tools.bench.hoptrace [--targets direct,tandem] [--requests 40]`` starts each server
 with a ``sitecustomize`` on its PYTHONPATH that, in every Python process it starts (Ray's workers
 inherit the environment), wraps a few functions as their modules load and appends
 ``monotonic_ns event pid`` lines to one file (CLOCK_MONOTONIC is one clock for all processes of
@@ -296,14 +296,14 @@ def format_gaps(tables: dict[str, dict]) -> str:
 
 
 def run(target: str, port: int, n: int, max_tokens: int, workdir: Path) -> tuple[list[dict[str, int]], dict]:
-    from tandem_tools.servers import Server
-    from tandem_tools.setups import build_setups, site_dir
+    from tandem_tools.bench.servers import Server
+    from tandem_tools.bench.setups import build_setups, site_dir
     from workers import tiny_models
 
     site = site_dir(workdir)
     trace = workdir / f"{target}.trace"
     trace.unlink(missing_ok=True)
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = str(Path(__file__).resolve().parents[2])
     args = argparse.Namespace(port=port)
     model_path = str(tiny_models.build(tiny_models.TINY_LLAMA))
     setup = build_setups(args, model_path, workdir)[target]
@@ -325,7 +325,7 @@ def run(target: str, port: int, n: int, max_tokens: int, workdir: Path) -> tuple
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tandem_tools.hoptrace", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tandem_tools.bench.hoptrace", description=__doc__.split("\n\n")[0])
     p.add_argument("--targets", default="direct,tandem")
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--max-tokens", type=int, default=8)

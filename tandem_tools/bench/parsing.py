@@ -1,4 +1,4 @@
-"""`python -m tandem_tools.bench_parsing`: what vLLM's tool and reasoning parsers cost a diffusion
+"""`python -m tandem_tools.bench.parsing`: what vLLM's tool and reasoning parsers cost a diffusion
 choice, per committed block, at the real canvas (256 tokens a block).
 
 No model: the cost is the text's, not the step's. A Gemma 4 answer (a thinking channel, text and

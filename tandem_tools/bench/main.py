@@ -31,10 +31,10 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
-from tandem_tools import procstat
-from tandem_tools.otlp_sink import Sink
-from tandem_tools.setups import MODEL, TANDEM_RAY, TANDEM_TRACED, TARGETS, Setup, build_setups, missing_binaries
-from tandem_tools.vllm_bench import LevelResult, LevelSpec, run_level
+from tandem_tools.bench import procstat
+from tandem_tools.bench.otlp_sink import Sink
+from tandem_tools.bench.setups import MODEL, TANDEM_RAY, TANDEM_TRACED, TARGETS, Setup, build_setups, missing_binaries
+from tandem_tools.bench.vllm_bench import LevelResult, LevelSpec, run_level
 from workers import tiny_models
 
 logger = logging.getLogger("tandem.bench")
@@ -49,11 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "prompts on 2 replicas under p2c, session affinity and prefix routing; "
                         "diffusion-prefix: the diffusion prefix cache on vs off (shape-diffusiongemma-deep); "
                         "tenants: priority and weighted shares on one replica (its own flags: python -m "
-                        "tandem_tools.bench_tenants --help, passed after --mode tenants); batch: the Batch API "
+                        "tandem_tools.bench.tenants --help, passed after --mode tenants); batch: the Batch API "
                         "against the same requests online, interactive TTFT with a batch running, resume after a "
-                        "kill (its own flags: python -m tandem_tools.bench_batch --help); decisions: /v1/decisions "
+                        "kill (its own flags: python -m tandem_tools.bench.batch --help); decisions: /v1/decisions "
                         "with 1, 10 and 100 questions against the same questions as one-token chat completions "
-                        "(its own flags: python -m tandem_tools.bench_decisions --help)")
+                        "(its own flags: python -m tandem_tools.bench.decisions --help)")
     p.add_argument("--concurrency", default="1,8,32",
                    help="comma-separated levels (default: 1,8,32; diffusion mode: 1,4,8,16, and 1,4,MAX_BATCH "
                         "for the shape model)")

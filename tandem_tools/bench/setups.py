@@ -1,7 +1,7 @@
 """What each benchmark target runs: `vllm serve` direct, a Rust gateway (vllm-router, smg) in
 front of one, tandem (its default channel to the replica: a TCP socket), and tandem with the
 channel over Ray (``gateway.channel: ray``, what tandem did before the socket). Used by
-``tandem bench`` and ``tandem_tools.hoptrace``."""
+``tandem bench`` and ``tandem_tools.bench.hoptrace``."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from tandem_tools import procstat
-from tandem_tools.servers import Server
+from tandem_tools.bench import procstat
+from tandem_tools.bench.servers import Server
 
 ENGINE_ARGS = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 64, "dtype": "float32"}
 TARGETS = ("direct", "vllm-router", "smg", "tandem")
@@ -25,7 +25,7 @@ ACTOR_PREFIX = "ray::EngineActor"
 # Run in every Python process started with ``site_dir`` first on PYTHONPATH (Ray's workers
 # inherit the environment): per-hop tracing, when the environment asks.
 SITE = ('import os\nif os.environ.get("TANDEM_HOPTRACE_FILE"):\n'
-        '    try:\n        import tandem_tools.hoptrace as h\n        h.install()\n    except Exception as e:\n'
+        '    try:\n        import tandem_tools.bench.hoptrace as h\n        h.install()\n    except Exception as e:\n'
         '        print("hoptrace:", e)\n')
 
 

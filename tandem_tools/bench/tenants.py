@@ -3,7 +3,7 @@ streams at a lower priority, and under the same flood at its own priority (what 
 served costs); two tenants of weights 1 and 3 flooding together, and the weight-1 tenant alone.
 One `tandem serve` per model kind (tiny-llama, tiny-diffusiongemma), one alive at a time.
 
-    python -m tandem_tools.bench_tenants            (or: tandem bench --mode tenants)
+    python -m tandem_tools.bench.tenants            (or: tandem bench --mode tenants)
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tandem_tools import procstat
-from tandem_tools.bench_common import per_model
-from tandem_tools.loadgen import one_stream, percentile
-from tandem_tools.servers import Server, prompts
+from tandem_tools.bench import procstat
+from tandem_tools.bench.common import per_model
+from tandem_tools.bench.loadgen import one_stream, percentile
+from tandem_tools.bench.servers import Server, prompts
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 logger = logging.getLogger("tandem.bench")
 KEYS = {"interactive": ("sk-bench-interactive", {"tenant": "interactive"}),
         "bulk": ("sk-bench-bulk", {"tenant": "bulk", "priority": 10}),

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 logger = logging.getLogger("tandem.bench")
-CORPUS = Path(__file__).resolve().parent.parent / "workers" / "data" / "corpus.txt"
+CORPUS = Path(__file__).resolve().parents[2] / "workers" / "data" / "corpus.txt"
 
 
 def prompts(n: int, seed: int = 0) -> list[str]:

@@ -1,4 +1,4 @@
-"""`python -m tandem_tools.bench_device`: the diffusion batcher in this process on one device, for a
+"""`python -m tandem_tools.bench.device`: the diffusion batcher in this process on one device, for a
 lent GPU machine, where neither Ray nor vLLM is installed (only torch and transformers).
 
 What ``tandem bench --mode diffusion`` and ``--mode diffusion-prefix`` measure through the gateway,
@@ -90,7 +90,7 @@ def run_tandem(adapter, sampler: str, prompts: list[list[int]], args, kv_budget:
         seq = Sequence(seq_id=f"s{i}", prompt_ids=p, params=_params(adapter, args.max_tokens, args.steps, 100 + i))
         seqs[seq.seq_id] = seq
         sched.add(seq)
-    from tandem_tools.bench_sampling import drive
+    from tandem_tools.bench.sampling import drive
 
     base = _mem_reset(args.device)
     r = drive(sched, runner, seqs)  # (each step's results are read back to the host: synchronous)
@@ -248,7 +248,7 @@ def table(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tandem_tools.bench_device", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m tandem_tools.bench.device", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="torch device (default: cuda)")
     p.add_argument("--sections", default="throughput,prefix", help="throughput, prefix (default: both)")

@@ -3,7 +3,7 @@ Ray streaming-generator item (``submit`` and the channel with ``gateway.channel:
 a Unix socket between the same two kinds of process (asyncio streams, length-prefixed pickles,
 as ``workers/transport/socket_channel.py`` sends over TCP with ``channel: socket``).
 
-``python -m tandem_tools.transport_bench [--items 300] [--gap-ms 3]``: per transport, the
+``python -m tandem_tools.bench.transport [--items 300] [--gap-ms 3]``: per transport, the
 median and p90 of a call's round trip and of a streamed item's one-way latency (the far side
 stamps CLOCK_MONOTONIC, one clock for a host), and the CPU time per streamed item of both
 processes (/proc). Items are spaced like tokens at c=1 (``--gap-ms``), one item each, which
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tandem_tools import procstat
+from tandem_tools.bench import procstat
 
 HEADER = struct.Struct("!I")
 
@@ -87,7 +87,7 @@ async def _socket_client(path: str, items: int, gap_s: float, far_pid: int) -> d
 def run_socket(items: int, gap_s: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "s")
-        child = subprocess.Popen([sys.executable, "-m", "tandem_tools.transport_bench", "--serve", path],
+        child = subprocess.Popen([sys.executable, "-m", "tandem_tools.bench.transport", "--serve", path],
                                  stdout=subprocess.PIPE, text=True)
         try:
             assert child.stdout.readline().strip() == "ready"
@@ -149,7 +149,7 @@ def format_rows(results: dict[str, dict], items: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tandem_tools.transport_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tandem_tools.bench.transport", description=__doc__.split("\n\n")[0])
     p.add_argument("--items", type=int, default=300)
     p.add_argument("--gap-ms", type=float, default=3.0)
     p.add_argument("--serve", help=argparse.SUPPRESS)

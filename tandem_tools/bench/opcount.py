@@ -1,7 +1,7 @@
 """Aten ops per denoise step of the diffusion runner (issue 36's measure of a step shaped for a
 device: every aten op is at least one kernel launch there).
 
-``python -m tandem_tools.opcount [--model shape-diffusiongemma] [--rows 1,4] [--sampler fast]``
+``python -m tandem_tools.bench.opcount [--model shape-diffusiongemma] [--rows 1,4] [--sampler fast]``
 admits ``rows`` sequences, runs until each is denoising, then counts the ops of one
 denoise-only step under a ``TorchDispatchMode``: in all, per layer, the most frequent, and the
 host synchronisations among them (``_local_scalar_dense``: ``.item()``/``.tolist()``;
@@ -37,7 +37,7 @@ def count_step(adapter, rows: int, sampler: str = "fast", prompt_len: int = 16, 
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
     from diffusion_plugin.step.compiled import compile_part, compile_trunk
-    from tandem_tools.step_driver import Steps
+    from tandem_tools.bench.step_driver import Steps
 
     class Count(TorchDispatchMode):
         def __init__(self):
@@ -100,7 +100,7 @@ def compiled_launches(compiled, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tandem_tools.opcount", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tandem_tools.bench.opcount", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="shape-diffusiongemma", help="a built-in diffusion model or a path")
     p.add_argument("--rows", default="1,4", help="rows per step, comma-separated (default: 1,4)")
     p.add_argument("--sampler", choices=["fast", "exact"], default="fast")

@@ -1,4 +1,4 @@
-"""`python -m tandem_tools.bench_adapters`: LoRA adapter routing, adapter-aware against p2c.
+"""`python -m tandem_tools.bench.adapters`: LoRA adapter routing, adapter-aware against p2c.
 
 The gateway's own router (``gateway.routing.router.ModelPool``) over replicas of one base, driven by a
 discrete-event load (no engines, no sleeping: each request holds its slot for a random service
@@ -50,7 +50,7 @@ async def run(routing: str, seed: int, replicas: int, adapters: int, max_loras: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tandem_tools.bench_adapters", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tandem_tools.bench.adapters", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=2, help="replicas of the base (default: 2)")
     p.add_argument("--adapters", type=int, default=4, help="adapters in the traffic, drawn uniformly (default: 4)")

@@ -3,7 +3,7 @@ sent online at the same concurrency (interleaved rounds), an interactive user's 
 with a batch saturating the replica, and the time a batch takes to resume after `tandem serve`
 is killed (SIGKILL) and started again.
 
-    python -m tandem_tools.bench_batch            (or: tandem bench --mode batch)
+    python -m tandem_tools.bench.batch            (or: tandem bench --mode batch)
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tandem_tools import procstat
-from tandem_tools.loadgen import one_stream, percentile
-from tandem_tools.servers import Server, prompts
+from tandem_tools.bench import procstat
+from tandem_tools.bench.loadgen import one_stream, percentile
+from tandem_tools.bench.servers import Server, prompts
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 logger = logging.getLogger("tandem.bench")
 MODEL = "tiny-llama"
 

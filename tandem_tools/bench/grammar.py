@@ -1,4 +1,4 @@
-"""`python -m tandem_tools.bench_grammar`: what a grammar costs a diffusion row, at the real shape.
+"""`python -m tandem_tools.bench.grammar`: what a grammar costs a diffusion row, at the real shape.
 
 The diffusion runner in this process (one engine alive at a time, one torch thread as in a Ray
 actor), on ``shape-diffusiongemma`` (DiffusionGemma's canvas, 256, and vocabulary, 262,144): the
@@ -87,7 +87,7 @@ def run_setup(adapter, sampler: str, c: int, grammar, args, vocab: list[str]) ->
         seq = Sequence(seq_id=f"s{i}", prompt_ids=prompt, params=params, grammar=grammar)
         seqs[seq.seq_id] = seq
         sched.add(seq)
-    from tandem_tools.bench_sampling import drive
+    from tandem_tools.bench.sampling import drive
 
     timing = drive(sched, runner, seqs)
     valid = None

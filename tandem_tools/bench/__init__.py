@@ -1,0 +1,1 @@
+"""The benchmarks and measuring tools: `tandem bench` (``main``) and the `python -m` ones."""
