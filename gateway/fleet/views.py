@@ -42,7 +42,7 @@ def model_card(router: Router, name: str) -> dict:
         "object": "model",
         "created": 0,
         "owned_by": "tandem",
-        "kind": pool.kind,
+        "kind": pool.kind.value,
         "max_model_len": info.max_model_len if info else None,
         "replicas": {"total": len(pool.replicas), "healthy": len(pool.healthy()), **replica_counts(pool)},
     }

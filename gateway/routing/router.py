@@ -29,26 +29,27 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.admission.policy import Admission, Ticket
 from gateway.admission.shared import POLL_S, PROMOTED
-from gateway.request.envelope import NO_CLAIM, Claim
+from gateway.request.envelope import NO_CLAIM, Claim, Envelope
 from gateway.request.intake import Intake
 from gateway.routing.choosers import AdapterAffinity, Affinity, PrefixChooser, p2c
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.replicas import Effect, Move, Replica, ReplicaState
 from tandem_core.errors import ErrorKind, TandemError
+from tandem_core.model_config import ModelKind
 
 RATE_WINDOW_S = 30.0
 
 
-def request_cost(kind: str, intake: Intake) -> float:
+def request_cost(kind: ModelKind | str, intake: Intake) -> float:
     """What one request weighs on a replica. Autoregressive: the tokens it may hold (the same
     estimate the per-key token limit uses, ``Intake.tokens``). Diffusion: the batch rows it
     takes (``n``). Never fails: validation is the engine's job."""
-    if kind == "diffusion":
+    if ModelKind(kind) is ModelKind.DIFFUSION:
         n = intake.body.get("n")
         return float(n if isinstance(n, int) and 1 <= n <= 128 else 1)
     return float(intake.tokens)
@@ -75,13 +76,13 @@ class _Waiter:
 
 
 class ModelPool:
-    def __init__(self, name: str, kind: str, replicas: list[Replica] | None = None,
+    def __init__(self, name: str, kind: ModelKind | str, replicas: list[Replica] | None = None,
                  max_in_flight: int | None = None, max_queue: int = 256, affinity_load_factor: float | None = None,
                  rng: random.Random | None = None, routing: str = "p2c", prefix_load_factor: float = 1.25,
                  prefix_index_blocks: int | None = None, adapter_slots: int | None = None,
                  reserve: int = 0, promote_after_s: float | None = 30.0):
         self.name = name
-        self.kind = kind
+        self.kind = ModelKind(kind)
         self.replicas: list[Replica] = []
         self.max_in_flight = max_in_flight
         self.max_queue = max_queue
@@ -93,6 +94,7 @@ class ModelPool:
         self.prefix = PrefixChooser(prefix_load_factor, prefix_index_blocks) if routing == "prefix" else None
         # LoRA adapters served on this base: prefer replicas holding a request's adapter (None: none served)
         self.adapters = AdapterAffinity(adapter_slots) if adapter_slots is not None else None
+        self.is_adapter: Callable[[str], bool] = lambda model: False  # a LoRA adapter's name (the Router's)
         # Who goes next when every slot is taken: priority, then tenants' fair shares, then arrival.
         self.admission = Admission(promote_after_s)
         # Slots of each replica (of max_in_flight) that requests of priority > 0 may not take, so
@@ -231,6 +233,13 @@ class ModelPool:
                            f"model {self.name!r} is at capacity ({len(self.admission)} requests queued); retry later",
                            retry_after=max(1, min(60, math.ceil(wait))))
 
+    async def place(self, env: Envelope, exclude: Iterable[str] = (), deadline_s: float | None = None) -> Slot:
+        """``acquire`` for one request's record: its cost (``request_cost``), its session key, its
+        prefix blocks (``prefix_blocks``), its adapter and its claim all read from ``env``."""
+        return await self.acquire(deadline_s, request_cost(self.kind, env.intake), env.intake.session_key, exclude,
+                                  self.prefix_blocks(env.intake), env.model if self.is_adapter(env.model) else None,
+                                  env.claim)
+
     async def acquire(self, deadline_s: float | None = None, cost: float = 1.0, key: str | None = None,
                       exclude: Iterable[str] = (), prefix: Sequence[int] = (), adapter: str | None = None,
                       claim: Claim = NO_CLAIM) -> Slot:
@@ -355,6 +364,9 @@ class Router:
         self.pools = {p.name: p for p in pools}
         self.adapters = adapters  # ``gateway.routing.adapters.Adapters``: a LoRA adapter's name is served by its base
         self.aliases = dict(aliases or {})  # another served name -> the model's name
+        if adapters is not None:
+            for pool in pools:
+                pool.is_adapter = lambda model: isinstance(model, str) and adapters.base_of(model) is not None
 
     def pool(self, model: object) -> ModelPool:
         """The pool serving ``model``: a model's own (by its name or an alias), or a LoRA
@@ -374,10 +386,6 @@ class Router:
         return TandemError(ErrorKind.MODEL_NOT_FOUND,
                            f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.",  # vLLM's words
                            "model")
-
-    def adapter(self, model: object) -> str | None:
-        """``model`` when it names a LoRA adapter, else None."""
-        return model if self.adapters is not None and self.adapters.base_of(model) else None
 
     def ready(self) -> bool:
         """Every model has a healthy replica."""

@@ -17,7 +17,7 @@ from gateway.observability.metrics import now
 from gateway.request.envelope import Envelope
 from gateway.request.limits import check_limits
 from gateway.routing.replicas import Replica
-from gateway.routing.router import ModelPool, Slot, request_cost
+from gateway.routing.router import ModelPool, Slot
 from gateway.serving.service import Service
 from tandem_core.errors import ErrorKind, TandemError, request_timeout
 from tandem_core.protocol import route_not_served
@@ -104,9 +104,6 @@ async def _serve(service: Service, env: Envelope, pin: Replica | None, watch, ad
     check_limits(env.intake, config.limits_for(pool.name))
     if admit is not None:
         admit(env)
-    cost = request_cost(pool.kind, env.intake)
-    prefix = pool.prefix_blocks(env.intake)
-    adapter = service.router.adapter(env.model)
     if pin is None and route == "responses":
         pin = replica_of_response(service, body.get("previous_response_id"), pool.name)
     others = [r.id for r in pool.replicas if pin is not None and r is not pin]
@@ -116,7 +113,7 @@ async def _serve(service: Service, env: Envelope, pin: Replica | None, watch, ad
         queued = tracing.start_child(span, "admission", **{"tandem.priority": env.claim.priority,
                                                            "tandem.tenant": env.claim.tenant}) if span else None
         try:
-            slot = await _acquire(pool, env, cost, tried + others, prefix, adapter)
+            slot = await _acquire(pool, env, tried + others)
         finally:
             if queued is not None:
                 queued.set_attribute("tandem.queue_time_s", now() - waited)
@@ -202,7 +199,7 @@ def _check_route(pool: ModelPool, route: str) -> None:
     its started replicas reported; before any has started, the replica itself says the same)."""
     info = next((r.info for r in pool.replicas if r.info is not None and r.info.routes is not None), None)
     if info is not None and route not in info.routes:
-        raise route_not_served(route, pool.name, pool.kind, info.routes)
+        raise route_not_served(route, pool.name, pool.kind.value, info.routes)
 
 
 # -- stored responses: the response id names the replica whose store holds it --------------------
@@ -233,20 +230,17 @@ def response_not_found(rid: str) -> TandemError:
     return TandemError(ErrorKind.NOT_FOUND, f"Response with id '{rid}' not found.", "response_id")
 
 
-async def _acquire(pool: ModelPool, env: Envelope, cost: float, tried: list[str], prefix: tuple[int, ...] = (),
-                   adapter: str | None = None) -> Slot:
-    """A slot, waiting in the queue no longer than the client's deadline nor what is left of the
-    request timeout (504 when that is what ran out)."""
+async def _acquire(pool: ModelPool, env: Envelope, exclude: list[str]) -> Slot:
+    """A slot (``ModelPool.place``), waiting in the queue no longer than the client's deadline nor
+    what is left of the request timeout (504 when that is what ran out)."""
     queue_deadline = env.queue_deadline_s
-    kw = {"cost": cost, "key": env.intake.session_key, "exclude": tried, "prefix": prefix, "adapter": adapter,
-          "claim": env.claim}
     if env.timeout_at is None:
-        return await pool.acquire(queue_deadline, **kw)
+        return await pool.place(env, exclude, queue_deadline)
     left = max(0.0, env.timeout_at - asyncio.get_running_loop().time())
     if queue_deadline is not None and queue_deadline <= left:
-        return await pool.acquire(queue_deadline, **kw)
+        return await pool.place(env, exclude, queue_deadline)
     try:
-        return await pool.acquire(left, **kw)
+        return await pool.place(env, exclude, left)
     except TandemError as e:
         if e.kind is ErrorKind.QUEUE_TIMEOUT:
             raise request_timeout() from None

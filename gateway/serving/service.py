@@ -42,7 +42,7 @@ class Service:
         self.ready_before_serving = ready_before_serving
         self.adapters = Adapters(config)  # LoRA adapters on the autoregressive bases
         self.router = Router([
-            ModelPool(m.name, m.kind.value, max_in_flight=m.max_in_flight_per_replica,
+            ModelPool(m.name, m.kind, max_in_flight=m.max_in_flight_per_replica,
                       max_queue=config.gateway.max_queue,
                       affinity_load_factor=m.session_affinity.load_factor if m.session_affinity.enabled else None,
                       routing=m.routing,
