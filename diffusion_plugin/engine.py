@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import asdict
 from typing import Any
@@ -262,19 +262,11 @@ class DiffusionEngine:
     def systemone(self, body: dict, request_id: str) -> AsyncIterator[Item]:
         return serve_decisions(self, body, request_id, "systemone")
 
-    async def tokenize(self, body: dict, request_id: str) -> AsyncIterator[Item]:
-        try:
-            out = self.intake.tokenize(body)
-        except TandemError as e:
-            out = e
-        yield out
+    def tokenize(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        return _answered(self.intake.tokenize, body)
 
-    async def detokenize(self, body: dict, request_id: str) -> AsyncIterator[Item]:
-        try:
-            out = self.intake.detokenize(body)
-        except TandemError as e:
-            out = e
-        yield out
+    def detokenize(self, body: dict, request_id: str) -> AsyncIterator[Item]:
+        return _answered(self.intake.detokenize, body)
 
     async def abort(self, request_id: str) -> bool:
         ids = self._requests.get(request_id, [])
@@ -377,3 +369,12 @@ def create_engine(cfg, source_path: str) -> DiffusionEngine:
 
 
 __all__ = ["DiffusionEngine", "create_engine"]
+
+
+async def _answered(answer: Callable[[dict], dict], body: dict) -> AsyncIterator[Item]:
+    """One item: ``answer(body)``, or the TandemError it raised (routes the batcher never sees)."""
+    try:
+        out = answer(body)
+    except TandemError as e:
+        out = e
+    yield out

@@ -197,10 +197,7 @@ class LocalReplicaHandle(ChannelReplicaHandle):
         if self.factory is None:
             raise RuntimeError("this replica cannot be restarted (no factory)")
         old, self.actor = self.actor, self.factory()
-        if old._socket_server is not None:  # what a killed process would lose: its socket and
-            old._socket_server.close(drop=True)  # connections, cut without another byte,
-        for outbox in list(old._channels.values()):  # its channels
-            outbox.close()
+        old.cut_off()  # what a killed process would lose: its socket, connections and channels
         info = await self.call("start")
         self._reopen_channel()
         return info
@@ -280,3 +277,76 @@ def _is_last(item: Item) -> bool:
     a whole response, an error, or the ``[DONE]`` event. The gateway stops reading there, so
     without this every finished request would also send an abort to the replica."""
     return isinstance(item, dict | TandemError) or (isinstance(item, str) and item.endswith(DONE))
+
+
+ATTACH_CALL_S = 10.0
+CHANNEL_LEASE_MIN_S = 30.0  # an attached gateway's channel outlives this many seconds without a health check
+
+
+class AttachedReplicaHandle(RayReplicaHandle):
+    """A replica that another gateway process owns (``RayDeployment`` role ``attached``): found
+    by its actor's name, used like any other, never started, restarted or killed from here.
+    ``start`` waits until the owner has started its engine; ``restart`` waits until the owner
+    has brought it back (a new incarnation, started), then reopens this process's channel."""
+
+    def __init__(self, name: str, lease_s: float = CHANNEL_LEASE_MIN_S, channel: str = "socket"):
+        super().__init__(None, channel=channel)
+        self.name = name
+        self.lease_s = lease_s  # renewed by every health check (``EngineActor.health``)
+
+    async def _resolve(self) -> None:
+        import ray
+
+        self.actor = await asyncio.to_thread(ray.get_actor, self.name, "tandem")
+
+    async def call(self, method: str, *args):
+        if self.actor is None:
+            await self._resolve()
+        return await super().call(method, *args)
+
+    async def _wait_started(self) -> EngineInfo:
+        """Poll until the actor's engine is started (the owner starts it)."""
+        from ray.exceptions import RayActorError
+
+        delay = 0.1
+        while True:
+            try:
+                await self._resolve()  # the owner may have created it anew (same name)
+                health = await asyncio.wait_for(self.call("health"), ATTACH_CALL_S)
+                if health.started:
+                    return await self.call("start")  # started: the owner's answer, not a second engine
+            except (ValueError, RayActorError, TimeoutError) as e:  # ValueError: no actor of that name yet
+                logger.debug("replica %s not there yet: %s", self.name, type(e).__name__)
+            await asyncio.sleep(delay)  # a poll interval while the owner brings it up
+            delay = min(delay * 2, 2.0)
+
+    async def start(self) -> EngineInfo:
+        info = await self._wait_started()
+        self._channel()
+        return info
+
+    async def restart(self, kill: bool) -> EngineInfo:
+        """Wait until the replica serves again, then reopen this process's channel. Whatever
+        incarnation answers is taken: a dead process answers nothing, and one the owner is
+        killing (it was stuck) breaks the channel again when it goes, and this repeats."""
+        info = await self._wait_started()
+        self._reopen_channel()
+        return info
+
+    def stream(self, method: str, *args):
+        if method == "open_channel":  # the channel's lease starts with it
+            args = (*args, self.lease_s)
+        return super().stream(method, *args)
+
+    async def health(self) -> ReplicaHealth:
+        """Also renews this process's channel lease on the replica."""
+        from ray.exceptions import RayActorError
+
+        try:
+            return await self.call("health", self.channel_id, self.lease_s)
+        except RayActorError as e:
+            raise TandemError(ErrorKind.ENGINE_DEAD, f"the replica's actor died: {type(e).__name__}") from e
+
+    async def shutdown(self) -> None:
+        """Only this process's channel: the replica is the owner's."""
+        self.fail_in_flight(TandemError(ErrorKind.SHUTTING_DOWN, "the gateway is shutting down"))
