@@ -14,10 +14,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gateway.http.streaming import event_body, sse_body, until_disconnect
 from gateway.observability.metrics import now
 from gateway.observability.tracing import note_stream_text
+from gateway.observability.watch import note_usage
 from gateway.request.envelope import Envelope, envelope
 from gateway.request.intake import parse_json
 from gateway.routing.replicas import Replica
-from gateway.serving.serve import ClientGone, note_usage, replica_of_response, response_not_found, serve
+from gateway.serving.serve import ClientGone, replica_of_response, response_not_found, serve
 from gateway.serving.service import Service
 from tandem_core.errors import invalid
 from tandem_core.protocol import DONE_ROUTES

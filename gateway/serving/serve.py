@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 
-from gateway.observability.metrics import now
+from gateway.observability.watch import RequestWatch
 from gateway.request.envelope import Envelope
 from gateway.request.limits import check_limits
 from gateway.routing.replicas import Replica
@@ -57,43 +57,23 @@ async def serve(service: Service, env: Envelope, pin: Replica | None = None,
     it; ``watch``: awaits the first item (racing it against the client leaving: ``ClientGone``);
     ``admit``: the caller's last check once the request is valid (the HTTP edge: the per-key
     token rate limit), before it queues; ``internal``: not a client's request (a batch line),
-    for its trace. Traced when ``service.tracing`` is on (``gateway.observability.tracing``)."""
-    tracing = service.tracing
-    if tracing is None:
-        return await _serve(service, env, pin, watch, admit)
-    name = service.router.aliases.get(env.model, env.model)
-    model_cfg = service.config.model(name) or service.config.model(service.adapters.base_of(name) or "")
-    span = tracing.request_span(env, model_cfg.kind.value if model_cfg else "unknown", internal)
-    if span.get_span_context().trace_flags.sampled:  # the access line names its trace
-        env.stats["trace_id"] = format(span.get_span_context().trace_id, "032x")
+    for its trace. What it does is reported to a ``RequestWatch`` (metrics, traces, the access
+    line's stats)."""
+    name = service.router.aliases.get(env.model, env.model)  # an alias: its model's
+    kind = "unknown"
+    if service.tracing is not None:  # the span's provider
+        model_cfg = service.config.model(name) or service.config.model(service.adapters.base_of(name) or "")
+        kind = model_cfg.kind.value if model_cfg else "unknown"
+    obs = RequestWatch(service.metrics, service.tracing, env, service.metrics.model_label(name), kind, internal)
     try:
-        answer = await _serve(service, env, pin, watch, admit, span)
+        return await _serve(service, env, pin, watch, admit, obs)
     except BaseException as e:
-        tracing.finish(span, stats=env.stats, error=e)
+        obs.failed(e)
         raise
-    if answer.json is not None:
-        tracing.finish(span, answer.json, env.stats)
-    else:  # a stream: its span ends with it (its id: the first chunk's)
-        found = _ID.search(answer.first or "")
-        if found:
-            span.set_attribute("gen_ai.response.id", found.group(1))
-        release = answer.release
-
-        def release_and_finish() -> None:
-            release()
-            tracing.finish(span, stats=env.stats)
-
-        answer.release = release_and_finish
-    return answer
 
 
-async def _serve(service: Service, env: Envelope, pin: Replica | None, watch, admit, span=None) -> Answer:
-    t0 = now()
-    tracing = service.tracing
-    metrics = service.metrics
-    config = service.config
+async def _serve(service: Service, env: Envelope, pin: Replica | None, watch, admit, obs: RequestWatch) -> Answer:
     route, body = env.route, env.body
-    model = metrics.model_label(service.router.aliases.get(env.model, env.model))  # an alias: its model's
     if service.draining:
         raise TandemError(ErrorKind.SHUTTING_DOWN, "the server is shutting down; retry on another instance",
                           retry_after=1)
@@ -101,7 +81,7 @@ async def _serve(service: Service, env: Envelope, pin: Replica | None, watch, ad
         raise service.router.not_found(env.model, env.key.models)
     pool = service.router.pool(env.model)
     _check_route(pool, route)
-    check_limits(env.intake, config.limits_for(pool.name))
+    check_limits(env.intake, service.config.limits_for(pool.name))
     if admit is not None:
         admit(env)
     if pin is None and route == "responses":
@@ -109,89 +89,45 @@ async def _serve(service: Service, env: Envelope, pin: Replica | None, watch, ad
     others = [r.id for r in pool.replicas if pin is not None and r is not pin]
     tried: list[str] = []
     while True:
-        waited = now()
-        queued = tracing.start_child(span, "admission", **{"tandem.priority": env.claim.priority,
-                                                           "tandem.tenant": env.claim.tenant}) if span else None
+        obs.queued()
         try:
             slot = await _acquire(pool, env, tried + others)
-        finally:
-            if queued is not None:
-                queued.set_attribute("tandem.queue_time_s", now() - waited)
-                queued.end()
-        env.stats["queue_s"] = now() - waited
-        env.stats["replica"] = slot.replica.id
-        metrics.queue_wait.labels(model).observe(env.stats["queue_s"])
-        metrics.observe_admitted(model, env.claim.priority, env.stats["queue_s"])
-        metrics.in_flight.labels(model).inc()
-        release = _releaser(pool, slot, metrics, model)
+        except BaseException:
+            obs.not_admitted()
+            raise
+        obs.admitted(slot.replica)
+        release = _once(partial(pool.release, slot), obs.released)
         request_id = response_id(slot.replica.id) if route == "responses" else engine_request_id(env)
-        attempt = tracing.start_child(span, "attempt", **{"tandem.replica.id": slot.replica.id,
-                                                          "tandem.replica.generation": slot.replica.generation,
-                                                          "tandem.engine_request_id": request_id}) if span else None
-        trace = tracing.context_of(attempt) if attempt is not None else None
+        trace = obs.attempt(slot.replica, request_id)
         items = slot.replica.handle.generate(env.engine_request(request_id, trace), env.timeout_at)
         try:
             first = await (watch(anext(items)) if watch is not None else anext(items))
-        except ClientGone:
-            await items.aclose()
-            release()
-            _end_attempt(attempt, None)
-            raise
         except StopAsyncIteration:
             release()
-            _end_attempt(attempt, None)
             raise TandemError(ErrorKind.ENGINE_ERROR, "the engine returned nothing") from None
         except TandemError as e:  # raised (the replica failed) or yielded (see below): one answer
             first = e
-        except BaseException:
+        except BaseException:  # the client left (ClientGone), a cancel
             await items.aclose()
             release()
-            _end_attempt(attempt, None)
             raise
         if isinstance(first, TandemError) and pin is None and _retry(first, pool, slot, tried):
             await items.aclose()
             release()
-            metrics.retries.labels(model).inc()
-            _end_attempt(attempt, first)
+            obs.retried(first)
             continue
         break
-    if attempt is not None:
-        if isinstance(first, str):  # a stream: the attempt lasts as long
-            release = _then(release, attempt.end)
-        else:
-            _end_attempt(attempt, first if isinstance(first, TandemError) else None)
-    env.stats["ttft_s"] = now() - t0
-    if isinstance(first, str):
-        metrics.ttft.labels(model).observe(env.stats["ttft_s"])
-        return Answer(slot.replica.id, first=first, items=items, release=release)
+    obs.first(stream=isinstance(first, str))
+    if isinstance(first, str):  # a stream: the attempt and the request's span last as long
+        obs.streaming(first)
+        return Answer(slot.replica.id, first=first, items=items, release=_once(release, obs.stream_ended))
+    obs.attempt_ended(first if isinstance(first, TandemError) else None)
     await items.aclose()
     release()
     if isinstance(first, TandemError):
         raise first
-    if isinstance(first, dict):  # what the client receives, counted to the model, its key and tenant
-        metrics.observe_usage(model, first.get("usage"), env.key_name)
-        note_usage(env.stats, first.get("usage"))
+    obs.answered(first)
     return Answer(slot.replica.id, json=first)
-
-
-def _then(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
-    def both() -> None:
-        first()
-        then()
-
-    return both
-
-
-def _end_attempt(attempt, error: TandemError | None) -> None:
-    """End an attempt's span (None: not traced), marked with the error that ended it."""
-    if attempt is None:
-        return
-    if error is not None:
-        from opentelemetry.trace import Status, StatusCode
-
-        attempt.set_attribute("error.type", error.kind.value)
-        attempt.set_status(Status(StatusCode.ERROR, error.message))
-    attempt.end()
 
 
 def _check_route(pool: ModelPool, route: str) -> None:
@@ -247,18 +183,19 @@ async def _acquire(pool: ModelPool, env: Envelope, exclude: list[str]) -> Slot:
         raise
 
 
-def _releaser(pool: ModelPool, slot: Slot, metrics, model: str):
-    """Release the slot once, whichever path ends the request first."""
-    released = False
+def _once(*steps: Callable[[], None]) -> Callable[[], None]:
+    """``steps`` run the first time it is called, never again (a slot is released by whichever
+    path ends the request first)."""
+    done = False
 
-    def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            pool.release(slot)
-            metrics.in_flight.labels(model).dec()
+    def once() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            for step in steps:
+                step()
 
-    return release
+    return once
 
 
 def _retry(err: TandemError, pool: ModelPool, slot: Slot, tried: list[str]) -> bool:
@@ -271,12 +208,3 @@ def _retry(err: TandemError, pool: ModelPool, slot: Slot, tried: list[str]) -> b
         return False
     logger.warning("replica %s failed before answering; retrying on another replica", slot.replica.id)
     return True
-
-
-def note_usage(stats: dict, usage: object) -> None:
-    if isinstance(usage, dict):
-        stats["prompt_tokens"] = usage.get("prompt_tokens", usage.get("input_tokens"))
-        stats["completion_tokens"] = usage.get("completion_tokens", usage.get("output_tokens"))
-
-
-_ID = re.compile(r'"id": ?"([^"]+)"')
