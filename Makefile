@@ -37,9 +37,13 @@ serve: models
 prometheus:
 	@command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; }
 
+# Two pytest workers: one work unit per module, the shared stack's modules one unit, a module
+# marked `alone` with the other worker idle (tests/parallel.py; docs/testing.md). PARALLEL= : one process.
+PARALLEL ?= -n 2 --dist loadgroup
+
 test: models prometheus instructor
 	$(BIN)/ruff check tandem_core workers diffusion_plugin gateway tandem_tools tests deploy
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
 unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

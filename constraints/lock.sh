@@ -18,7 +18,7 @@ trap 'rm -rf "$scratch"' EXIT
 { echo "# The whole CPU install (make setup, EXTRAS=cpu,test), pinned: 'make lock' rewrites it (README, 'Pins')."
   cat "$scratch/freeze.txt"; } > constraints/cpu.txt
 shaping='^(tokenizers|transformers|huggingface-hub|safetensors|xgrammar|openai|anthropic|pydantic|pydantic_core|fastapi'
-shaping+='|starlette|uvicorn|ray|numpy|pytest|pytest-timeout|ruff|schemathesis|hypothesis|httpx|prometheus_client|pyyaml'
+shaping+='|starlette|uvicorn|ray|numpy|pytest|pytest-timeout|pytest-xdist|execnet|ruff|schemathesis|hypothesis|httpx|prometheus_client|pyyaml'
 shaping+='|jinja2|pillow|sentencepiece|tiktoken|langchain-openai|langchain-core|openai-agents|lm_eval|guidellm)=='
 { echo "# GPU nodes (make setup EXTRAS=gpu,test): the versions that shape the built-in models, the tests' expectations"
   echo "# and the API, as in cpu.txt ('make lock' rewrites both); vllm==0.32.0 brings its own CUDA torch."

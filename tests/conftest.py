@@ -10,6 +10,8 @@ import tempfile
 import pytest
 from hypothesis import settings
 
+from tests import parallel
+
 # Durable state (the batch store: ``batches.data_dir`` defaults under XDG_STATE_HOME) of every
 # gateway the tests start, in-process or as `tandem serve`, goes to a folder of this run, never
 # to the user's own.
@@ -20,8 +22,21 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (``tests/parallel.py``)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = str(item.fspath)
         if "/integration/" in path:
             item.add_marker(pytest.mark.integration)
+    parallel.group_items(items)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_turn(request, tmp_path_factory):
+    """Under ``-n``: a module marked ``alone`` runs while the other worker waits (``tests/parallel.py``)."""
+    if not parallel.running_in_parallel():
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") is not None
+    with parallel.module_turn(tmp_path_factory.getbasetemp().parent / "locks", alone):
+        yield

@@ -21,6 +21,9 @@ from tests.integration.stack import stop_group
 from tests.unit.gateway_server import HeldStreams, fake_gateway, stream_outcome
 from tests.waiting import wait_for
 
+# alone under -n (tests/parallel.py): scaling decisions read from load
+pytestmark = pytest.mark.alone
+
 TOKENS = 8
 LONG = 60  # tokens of the streams held mid-way (several are still running when the hold comes)
 STALL_ALL = json.dumps({"*": "stall"})

@@ -33,6 +33,9 @@ from tests.integration.stack import REPO, stop
 from tests.unit.gateway_server import free_port
 from tests.waiting import wait_for
 
+# alone under -n (tests/parallel.py): leases of seconds, a stalled owner
+pytestmark = pytest.mark.alone
+
 LINES = 200  # ~12 s of work at 4 lines at once
 IN_FLIGHT = 4
 LEASE_S, POLL_S = 3.0, 0.5

@@ -11,10 +11,14 @@ import signal
 
 import httpx
 import openai
+import pytest
 
 from tests.batches import answered, chat_lines, completed, submit
 from tests.integration.stack import ENGINE_ARGS, REPO, launch_config, running_stack
 from tests.unit.gateway_server import free_port
+
+# alone under -n (tests/parallel.py): a SIGKILL mid-batch and a lease taken over
+pytestmark = pytest.mark.alone
 
 LINES = 300
 

@@ -46,7 +46,8 @@ STOP_TIMEOUT_S = 120  # the head's drain plus Ray's stop
 OBJECT_STORE = str(200 * 1024**2)
 BATCH_LINES = 60
 
-pytestmark = [pytest.mark.timeout(int(3 * READY_TIMEOUT_S + 900)),
+# alone under -n (tests/parallel.py): two pods' Ray and vLLM at once, a pod lost
+pytestmark = [pytest.mark.alone, pytest.mark.timeout(int(3 * READY_TIMEOUT_S + 900)),
               pytest.mark.skipif(os.geteuid() != 0, reason="pods in network namespaces need root (CI runs as root)")]
 
 

@@ -23,6 +23,9 @@ from gateway.routing.replicas import ReplicaState
 from tests.unit.gateway_server import HeldStreams, complete_outcome, fake_gateway, stream_outcome
 from tests.waiting import wait_for
 
+# alone under -n (tests/parallel.py): killed and stalled replicas found by health checks
+pytestmark = pytest.mark.alone
+
 TOKENS = 20
 # stall_timeout_s: far above how long a test holds a replica before its fault (no progress then
 # is the test's doing, not the fault under test), yet short enough for the stall test.

@@ -19,11 +19,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from tests.integration.stack import stop_group
 from tests.unit.gateway_server import free_port
 from tests.waiting import wait_for
+
+# alone under -n (tests/parallel.py): gateway processes killed and drained
+pytestmark = pytest.mark.alone
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENS = 20

@@ -33,7 +33,8 @@ LINES = 160
 STREAMS = {"tiny-llama": 8, "tiny-diffusiongemma": 8}
 DRAIN_S = 90
 
-pytestmark = pytest.mark.timeout(int(2 * READY_TIMEOUT_S + 1800))
+# alone under -n (tests/parallel.py): a drain measured against its grace period
+pytestmark = [pytest.mark.alone, pytest.mark.timeout(int(2 * READY_TIMEOUT_S + 1800))]
 
 
 def _config(tmp_path) -> dict:

@@ -10,6 +10,10 @@ import threading
 import time
 
 import httpx
+import pytest
+
+# alone under -n (tests/parallel.py): a hung engine found by the health check's timeout
+pytestmark = pytest.mark.alone
 
 MODEL = "tiny-llama"
 ASK = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the river."}], "max_tokens": 12,

@@ -19,6 +19,9 @@ from tests.batches import finished, lines_of, submit
 from tests.unit.gateway_server import fake_gateway
 from tests.waiting import wait_for
 
+# alone under -n (tests/parallel.py): leases of one second
+pytestmark = pytest.mark.alone
+
 KEY = "sk-batch-0123456789abcdef"
 
 

@@ -1,0 +1,57 @@
+"""How the suite runs on two workers (`make test`: pytest-xdist, ``-n 2 --dist loadgroup``).
+
+- **One work unit per module**, so a module's own stack (a module-scoped fixture) starts once;
+  and **one unit for every module on the session's shared stack** (the ``stack`` fixture), so a
+  run starts that stack once. xdist sends the largest units first.
+- **Alone**: a module marked ``pytest.mark.alone`` (it stops or stalls processes on purpose and
+  waits on leases, drains or health checks measured in seconds, or it loads both cores for
+  minutes) runs while the other worker runs nothing: it takes ``alone.lock`` exclusively, every
+  other module takes it shared. A turnstile lets a waiting exclusive taker in before the next
+  shared one (no starvation).
+
+Without ``-n`` (one process) nothing of this applies: the locks are not taken.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+SHARED_STACK = "the-shared-stack"
+
+
+def group_items(items: list[pytest.Item]) -> None:
+    """Mark each test with its work unit (``xdist_group``): its module's path, or the shared stack's."""
+    on_stack = {item.module.__name__ for item in items if "stack" in getattr(item, "fixturenames", ())}
+    for item in items:
+        name = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(SHARED_STACK if name in on_stack else name))
+
+
+@contextmanager
+def module_turn(lock_dir: Path, alone: bool) -> Iterator[None]:
+    """Hold the run's lock for one module: exclusively (``alone``) or shared."""
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / "turnstile.lock", "a+") as gate, open(lock_dir / "alone.lock", "a+") as main:
+        if alone:
+            fcntl.flock(gate, fcntl.LOCK_EX)  # shared takers queue behind this one from now on
+            fcntl.flock(main, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(gate, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            fcntl.flock(main, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(main, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+def running_in_parallel() -> bool:
+    return "PYTEST_XDIST_WORKER" in os.environ
