@@ -67,7 +67,9 @@ def lora_stack(reference, files, tmp_path_factory):
     config = {"gateway": {"host": "127.0.0.1", "port": free_port(), "health_interval_s": 2},
               "ray": {"num_cpus": 2}, "models_dir": str(REPO / "models"),
               "models": [{"name": MODEL, "kind": "autoregressive", "source": "builtin:tiny-llama",
-                          "resources": {"num_gpus": 0, "num_cpus": 1}, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+                          "resources": {"num_gpus": 0, "num_cpus": 1},
+                          # vLLM's response store on: the stored-responses test below joins this stack
+                          "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_RESPONSES_API_STORE": "1"},
                           "engine_args": LORA_ARGS, "lora_modules": {ADAPTER: "builtin:tiny-llama-lora"}}]}
     with running_stack(config, tmp_path_factory.mktemp("lora")) as s:
         yield s
@@ -136,3 +138,17 @@ def test_a_restarted_replica_gets_the_adapter_loaded_at_run_time_back(reference,
     assert _answers(lora_stack.url, [ADAPTER]) == {ADAPTER: reference["answers"][ADAPTER]}  # the configured one too
     unload = httpx.post(lora_stack.url + "/v1/unload_lora_adapter", json={"lora_name": LATE}, timeout=300)
     assert unload.status_code == 200, unload.text
+
+
+# -- stored responses, with vLLM's store on (VLLM_ENABLE_RESPONSES_API_STORE=1; the shared stack has
+# it off, as `vllm serve` does by default): on this module's stack rather than a stack of its own.
+
+def test_stored_responses_are_retrieved_through_the_replica_that_made_them(lora_stack):
+    c = lora_stack.client()
+    r = c.responses.create(model=MODEL, input="Tell me about the river.", max_output_tokens=6, temperature=0)
+    got = c.responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == r.output_text and got.status == r.status
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
+        c.responses.cancel(r.id)
+    follow = c.responses.create(model=MODEL, input="And then?", max_output_tokens=4, previous_response_id=r.id)
+    assert follow.previous_response_id == r.id and follow.usage.input_tokens > r.usage.input_tokens

@@ -280,35 +280,3 @@ def test_nested_negative_prompt_ids_say_what_vllm_says(stack):
     r = _post(stack, "/v1/completions", {"model": MODEL, "prompt": [[1, -5]], "max_tokens": 2})
     assert r.status_code == 400
     assert "greater than or equal to 0" in r.json()["error"]["message"]
-
-
-# -- stored responses, with vLLM's store on (VLLM_ENABLE_RESPONSES_API_STORE=1) ---------------------
-
-
-@pytest.fixture(scope="module")
-def store_stack(tmp_path_factory):
-    """A second stack: tiny-llama alone, one replica, its vLLM storing responses."""
-    from tests.integration.stack import ENGINE_ARGS, REPO, running_stack
-    from tests.unit.gateway_server import free_port
-
-    tmp = tmp_path_factory.mktemp("store")
-    port = free_port()
-    config = {"gateway": {"host": "127.0.0.1", "port": port, "health_interval_s": 2}, "ray": {"num_cpus": 1},
-              "models_dir": str(REPO / "models"),
-              "models": [{"name": MODEL, "kind": "autoregressive", "source": "builtin:tiny-llama",
-                          "resources": {"num_gpus": 0, "num_cpus": 1},
-                          "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_RESPONSES_API_STORE": "1"},
-                          "engine_args": ENGINE_ARGS}]}
-    with running_stack(config, tmp) as s:
-        yield s
-
-
-def test_stored_responses_are_retrieved_through_the_replica_that_made_them(store_stack):
-    c = store_stack.client()
-    r = c.responses.create(model=MODEL, input="Tell me about the river.", max_output_tokens=6, temperature=0)
-    got = c.responses.retrieve(r.id)
-    assert got.id == r.id and got.output_text == r.output_text and got.status == r.status
-    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
-        c.responses.cancel(r.id)
-    follow = c.responses.create(model=MODEL, input="And then?", max_output_tokens=4, previous_response_id=r.id)
-    assert follow.previous_response_id == r.id and follow.usage.input_tokens > r.usage.input_tokens
