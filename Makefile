@@ -6,6 +6,12 @@ EXTRAS ?= cpu,test
 # Pinned versions (constraints/lock.sh, `make lock`, writes them): a fresh install resolves these.
 CONSTRAINTS ?= constraints/$(if $(findstring gpu,$(EXTRAS)),gpu,cpu).txt
 BIN    := $(VENV)/bin
+# Installs go through uv (pinned; ~10x pip's speed on a fresh machine, the same pinned versions).
+# uv reads no pip configuration: pip's configured find-links (where a machine keeps a wheel such as
+# torch's CPU build) are passed on.
+UV_VERSION := 0.13.10
+PIP_LINKS  := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+UV     := $(BIN)/uv pip install -q $(foreach d,$(PIP_LINKS),--find-links $(d))
 # instructor pins a jiter the newest openai cannot use: its own venv, where its test looks for it.
 INSTRUCTOR_VENV := .venv-instructor
 
@@ -15,16 +21,17 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
+	$(BIN)/pip install -q uv==$(UV_VERSION)
+	$(UV) --python $(BIN)/python -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	@# vllm pulls CUDA builds of these from PyPI; they break `import transformers` on CPU.
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/uv pip uninstall -q --python $(BIN)/python torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
 instructor: $(INSTRUCTOR_VENV)/.installed
 
-$(INSTRUCTOR_VENV)/.installed: constraints/instructor.txt
+$(INSTRUCTOR_VENV)/.installed: constraints/instructor.txt $(VENV)/.installed
 	$(PYTHON) -m venv $(INSTRUCTOR_VENV)
-	$(INSTRUCTOR_VENV)/bin/pip install -q -r constraints/instructor.txt
+	$(UV) --python $(INSTRUCTOR_VENV)/bin/python -r constraints/instructor.txt
 	touch $@
 
 models: setup
