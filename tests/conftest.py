@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config, items):
         path = str(item.fspath)
         if "/integration/" in path:
             item.add_marker(pytest.mark.integration)
-    parallel.group_items(items)
+    parallel.group_items(config, items)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,3 +40,4 @@ def _module_turn(request, tmp_path_factory):
     alone = request.node.get_closest_marker("alone") is not None
     with parallel.module_turn(tmp_path_factory.getbasetemp().parent / "locks", alone):
         yield
+

@@ -21,16 +21,22 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from _pytest.nodeid import coerce_node_id
 
 SHARED_STACK = "the-shared-stack"
 
 
-def group_items(items: list[pytest.Item]) -> None:
-    """Mark each test with its work unit (``xdist_group``): its module's path, or the shared stack's."""
+def group_items(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Name each test's work unit in its node id, as xdist's ``--dist loadgroup`` reads it
+    (``<id>@<unit>``): its module, or the shared stack's. Only in an xdist worker. (xdist's own
+    ``xdist_group`` mark sets ``item._nodeid``, which pytest 9 no longer reads: its node id is
+    ``item._id``.)"""
+    if not getattr(config.option, "loadgroup", False):
+        return
     on_stack = {item.module.__name__ for item in items if "stack" in getattr(item, "fixturenames", ())}
     for item in items:
         name = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(SHARED_STACK if name in on_stack else name))
+        item._id = coerce_node_id(f"{item.nodeid}@{SHARED_STACK if name in on_stack else name}")
 
 
 @contextmanager
