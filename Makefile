@@ -19,9 +19,11 @@ INSTRUCTOR_VENV := .venv-instructor
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+$(BIN)/uv:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q uv==$(UV_VERSION)
+
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) | $(BIN)/uv
 	$(UV) --python $(BIN)/python -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	@# vllm pulls CUDA builds of these from PyPI; they break `import transformers` on CPU.
 	$(BIN)/uv pip uninstall -q --python $(BIN)/python torchvision torchaudio torchcodec 2>/dev/null || true
@@ -29,7 +31,7 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 
 instructor: $(INSTRUCTOR_VENV)/.installed
 
-$(INSTRUCTOR_VENV)/.installed: constraints/instructor.txt $(VENV)/.installed
+$(INSTRUCTOR_VENV)/.installed: constraints/instructor.txt | $(BIN)/uv
 	$(PYTHON) -m venv $(INSTRUCTOR_VENV)
 	$(UV) --python $(INSTRUCTOR_VENV)/bin/python -r constraints/instructor.txt
 	touch $@
