@@ -46,9 +46,9 @@ serve: models
 prometheus:
 	@command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; }
 
-# Two pytest workers: one work unit per module, the shared stack's modules one unit, a module
-# marked `alone` with the other worker idle (tests/parallel.py; docs/testing.md). PARALLEL= : one process.
-PARALLEL ?= -n 2 --dist loadgroup
+# One process by default. PARALLEL="-n 2 --dist loadgroup": two pytest workers (tests/parallel.py):
+# measured no faster on this 2-core box (docs/testing.md), and a lock wait counts against a test's timeout.
+PARALLEL ?=
 
 test: models prometheus instructor
 	$(BIN)/ruff check tandem_core workers diffusion_plugin gateway tandem_tools tests deploy
