@@ -8,10 +8,13 @@ CONSTRAINTS ?= constraints/$(if $(findstring gpu,$(EXTRAS)),gpu,cpu).txt
 BIN    := $(VENV)/bin
 # Installs go through uv (pinned; ~10x pip's speed on a fresh machine, the same pinned versions).
 # uv reads no pip configuration: pip's configured find-links (where a machine keeps a wheel such as
-# torch's CPU build) are passed on.
+# torch's CPU build) are passed on. uv writes no bytecode unless asked (pip does): without it every
+# process (a gateway, a Ray actor, vLLM's engine core and worker) compiles vllm, torch and
+# transformers from source at import, ~30 s each on this machine (PYTHONDONTWRITEBYTECODE is set
+# here, so nothing is ever cached): --compile-bytecode compiles them once, at install.
 UV_VERSION := 0.13.10
 PIP_LINKS  := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
-UV     := $(BIN)/uv pip install -q $(foreach d,$(PIP_LINKS),--find-links $(d))
+UV     := $(BIN)/uv pip install -q --compile-bytecode $(foreach d,$(PIP_LINKS),--find-links $(d))
 # instructor pins a jiter the newest openai cannot use: its own venv, where its test looks for it.
 INSTRUCTOR_VENV := .venv-instructor
 
