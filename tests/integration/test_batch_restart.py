@@ -1,4 +1,4 @@
-"""A batch survives SIGKILL of `tandem serve` (issue 34): killed in the middle of a 300-line batch
+"""A batch survives SIGKILL of `tandem serve` (issue 34): killed in the middle of a 120-line batch
 on tiny-llama (the whole process group: gateway, Ray, vLLM), started again on the same config and
 data dir, the batch resumes and completes; every `custom_id` appears exactly once, and the lines
 answered before the kill are not sent again."""
@@ -20,7 +20,7 @@ from tests.unit.gateway_server import free_port
 # alone under -n (tests/parallel.py): a SIGKILL mid-batch and a lease taken over
 pytestmark = pytest.mark.alone
 
-LINES = 300
+LINES = 120  # 16 in flight (batches.lines_in_flight): killed after 30, most still pending
 
 
 def _config(tmp_path) -> dict:
@@ -46,7 +46,7 @@ def test_a_batch_resumes_after_sigkill_with_every_line_once(tmp_path):
     proc, first = launch_config(config, tmp_path, "first.log")
     try:
         client = openai.OpenAI(base_url=first.url + "/v1", api_key="none", max_retries=0)
-        lines = chat_lines(LINES, "tiny-llama", max_tokens=64, temperature=0, ignore_eos=True)
+        lines = chat_lines(LINES, "tiny-llama", max_tokens=32, temperature=0, ignore_eos=True)
         batch_id = submit(client, lines)
         done = answered(client, batch_id, 30)
         os.killpg(proc.pid, signal.SIGKILL)  # gateway, Ray and vLLM at once: nothing drains

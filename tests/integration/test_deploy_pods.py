@@ -253,7 +253,7 @@ def test_head_and_worker_pods_serve_and_survive_the_worker(cluster):
     # a worker whose head went away: its Ray node dies with the GCS). A new head pod on the same
     # state volume, and a new worker, finish the batch: every line once.
     client = c.client()
-    batch_id = submit(client, chat_lines(BATCH_LINES, MODELS[0], max_tokens=128, temperature=0, ignore_eos=True))
+    batch_id = submit(client, chat_lines(BATCH_LINES, MODELS[0], max_tokens=48, temperature=0, ignore_eos=True))
     done = answered(client, batch_id, 8)
     head.kill()
     worker.kill()

@@ -1,6 +1,6 @@
 """SIGTERM to `tandem serve` in the middle of its work loses nothing (issue 50): what `docker stop`,
 a pod's deletion and a rolling update send. Two gateway processes (``gateway.processes: 2``) serve
-both tiny models; a 160-line chat batch (160 tokens a line) runs and 16 streams are in flight (8 autoregressive, 8
+both tiny models; a 96-line chat batch (64 tokens a line, 16 in flight) runs and 16 streams are in flight (8 autoregressive, 8
 diffusion) when the parent gets SIGTERM:
 
 - ``/ready`` turns 503 (the Service drops the pod) and a new request gets 503 with Retry-After;
@@ -29,7 +29,8 @@ from tests.integration.stack import ENGINE_ARGS, READY_TIMEOUT_S, REPO, launch_c
 from tests.unit.gateway_server import free_port
 from tests.waiting import wait_for
 
-LINES = 160
+LINES = 96  # 16 in flight: at the signal at least 16 answered and 16 in flight, the rest pending
+LINE_TOKENS = 64
 STREAMS = {"tiny-llama": 8, "tiny-diffusiongemma": 8}
 DRAIN_S = 90
 
@@ -69,7 +70,7 @@ class Stream(threading.Thread):
 
     def run(self) -> None:
         client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300)
-        max_tokens = 300 if self.model == "tiny-llama" else 160
+        max_tokens = 200 if self.model == "tiny-llama" else 128  # long enough to outlast the signal
         try:
             for chunk in client.chat.completions.create(
                     model=self.model, messages=[{"role": "user", "content": f"Tell me a long story, {self.i}."}],
@@ -92,7 +93,7 @@ def test_sigterm_mid_batch_and_mid_stream_loses_nothing(tmp_path):
     streams: list[Stream] = []
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        lines = chat_lines(LINES, "tiny-llama", max_tokens=160, temperature=0, ignore_eos=True)
+        lines = chat_lines(LINES, "tiny-llama", max_tokens=LINE_TOKENS, temperature=0, ignore_eos=True)
         batch_id = submit(client, lines)
         answered(client, batch_id, 16)
         streams = [Stream(url, model, i) for model, n in STREAMS.items() for i in range(n)]
