@@ -30,6 +30,8 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) | $(BIN)/uv
 	$(UV) --python $(BIN)/python -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	@# vllm pulls CUDA builds of these from PyPI; they break `import transformers` on CPU.
 	$(BIN)/uv pip uninstall -q --python $(BIN)/python torchvision torchaudio torchcodec 2>/dev/null || true
+	@# tandem's own modules (an editable install: uv compiles none of them) once, not in every process.
+	$(BIN)/python -m compileall -q -j 0 tandem_core workers diffusion_plugin gateway tandem_tools tests
 	touch $@
 
 instructor: $(INSTRUCTOR_VENV)/.installed

@@ -6,8 +6,9 @@ from __future__ import annotations
 import gc
 
 import pytest
+import yaml
 
-from tests.integration.stack import ENGINE_ARGS, REPO, Stack, running_stack
+from tests.integration.stack import ENGINE_ARGS, REPO, Stack, running_stack, serving
 from tests.otlp_receiver import Receiver
 from tests.unit.gateway_server import free_port
 
@@ -43,6 +44,40 @@ def stack(tmp_path_factory, otlp) -> Stack:
     }
     with running_stack(config, tmp) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def default_stack(tmp_path_factory) -> Stack:
+    """``configs/default.yaml`` served exactly as ``make serve`` serves it: `tandem serve` with no
+    config, from the repository root, only ``--port`` added (``make serve ARGS="--port P"``), the
+    batch store in a folder of the run. Shared by the shipped config's tests
+    (``test_default_config.py``) and the tests that need its diffusion model's gemma4 tool and
+    reasoning parsers (``test_default_config_tools.py``; the shared stack's has none). It stops
+    after its last test (``ENDS_AFTER_LAST_USE``)."""
+    tmp = tmp_path_factory.mktemp("config-default")
+    config = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
+    port = free_port()
+    with serving(["--port", str(port)], port, tmp, config, env={"XDG_STATE_HOME": str(tmp / "state")}) as s:
+        yield s
+
+
+# Session stacks that stop after the last test that uses them, not at the session's end: a run
+# then holds no more stacks at once than it needs (each is a few GiB).
+ENDS_AFTER_LAST_USE = ("default_stack",)
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the test's own teardown first (its module's fixtures on this stack)
+    for name in ENDS_AFTER_LAST_USE:
+        if name in item.fixturenames and not any(name in later.fixturenames for later in _after(item)):
+            for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):
+                fixturedef.finish(item._request)  # pytest's own teardown at the session's end then finds it done
+
+
+def _after(item) -> list:
+    items = item.session.items
+    return items[items.index(item) + 1:]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -18,8 +18,10 @@ CPU: ~15 s a request at the sweep's 2 steps a block, ~4 min a Messages request a
 with ``TANDEM_TEST_SHAPE_SWEEP=1`` (a run of its own, tens of minutes). ``configs/qwen-gpu.yaml``
 needs GPU nodes.
 
-Its own stacks: each config is what is under test, so none can join the shared stack; one config
-is served at a time (module-scoped, parametrized), the batch store in a temporary XDG_STATE_HOME.
+Its own stacks: each config is what is under test, so none can join the shared stack. The default
+config's is the session's ``default_stack`` (``conftest.py``), which ``test_default_config_tools.py``
+shares; the others are served one at a time (module-scoped, parametrized); the batch store is in a
+temporary XDG_STATE_HOME.
 """
 
 import os
@@ -44,6 +46,9 @@ TOKEN_IDS = [300, 301, 302]  # ordinary tokens of both tiny tokenizers (and of t
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def shipped(request, tmp_path_factory):
     name = request.param
+    if name == "default":  # the session's (conftest.py): test_default_config_tools.py serves from it too
+        yield request.getfixturevalue("default_stack")
+        return
     tmp = tmp_path_factory.mktemp(f"config-{name}")
     config = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
     port = free_port()

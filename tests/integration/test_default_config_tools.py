@@ -1,6 +1,7 @@
 """``tool_choice: "auto"`` and reasoning on the diffusion model through vLLM's ``gemma4`` parsers,
 on the real stack: ``tiny-diffusiongemma`` with ``tool_call_parser`` and ``reasoning_parser`` set,
-alone on a stack of its own (the session stack's diffusion model has no parser).
+as the shipped default config sets them (the session's ``default_stack``, which
+``test_default_config.py`` starts; the shared stack's diffusion model has no parser).
 
 A random model never writes a Gemma 4 tool call by itself, so each request that needs one adds
 vLLM's ``structured_outputs.structural_tag``: Gemma 4's markers as tokens (xgrammar's ``token``
@@ -17,8 +18,7 @@ import pytest
 from pydantic import Field
 
 from tests.agents_sdk import run_agent
-from tests.integration.stack import REPO, running_stack
-from tests.unit.gateway_server import free_port
+from tests.integration.stack import REPO
 
 MODEL = "tiny-diffusiongemma"
 FAST = {"diffusion": {"max_denoising_steps": 4}}
@@ -60,16 +60,12 @@ def _think_then_two_calls() -> dict:
 
 
 @pytest.fixture(scope="module")
-def tools_stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tools")
-    config = {"gateway": {"host": "127.0.0.1", "port": free_port(), "health_interval_s": 2}, "ray": {"num_cpus": 1},
-              "models_dir": str(REPO / "models"),
-              "models": [{"name": MODEL, "kind": "diffusion", "source": "builtin:tiny-diffusiongemma",
-                          "resources": {"num_gpus": 0, "num_cpus": 1},
-                          "engine_args": {"max_batch": 8, "tool_call_parser": "gemma4",
-                                          "reasoning_parser": "gemma4"}}]}
-    with running_stack(config, tmp) as s:
-        yield s
+def tools_stack(default_stack):
+    """The shipped default config's stack (``conftest.py``): its diffusion model has both gemma4
+    parsers, and a stack of its own would cost a start for nothing."""
+    model = next(m for m in default_stack.config["models"] if m["name"] == MODEL)
+    assert {"tool_call_parser": "gemma4", "reasoning_parser": "gemma4"}.items() <= model["engine_args"].items()
+    return default_stack
 
 
 def _check_calls(calls: list[tuple[str, str]], n: int) -> None:
