@@ -62,8 +62,8 @@ def default_stack(tmp_path_factory) -> Stack:
 
 
 # Session stacks that stop after the last test that uses them, not at the session's end: a run
-# then holds no more stacks at once than it needs (each is a few GiB).
-ENDS_AFTER_LAST_USE = ("default_stack",)
+# then holds no more stacks at once than it needs (each is a few GiB): the unit tests run with none.
+ENDS_AFTER_LAST_USE = ("default_stack", "stack")
 
 
 @pytest.hookimpl(hookwrapper=True, trylast=True)
