@@ -17,6 +17,8 @@ from tests import parallel
 # to the user's own.
 os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="tandem-test-state-")
 
+parallel.bind_engines_to_a_core()  # under -n only (tests/parallel.py)
+
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")

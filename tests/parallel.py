@@ -9,7 +9,13 @@
   other module takes it shared. A turnstile lets a waiting exclusive taker in before the next
   shared one (no starvation).
 
-Without ``-n`` (one process) nothing of this applies: the locks are not taken.
+- **A core each**: vLLM's CPU worker pins its process to one core (``VLLM_CPU_OMP_THREADS_BIND``
+  ``auto`` reserves the last core and binds to core 0: every engine of a run on core 0). Each
+  worker's engines (its stacks inherit its environment) get a core of their own: ``gw0`` core 0,
+  ``gw1`` core 1 (``bind_engines_to_a_core``).
+
+Without ``-n`` (one process) nothing of this applies: the locks are not taken, vLLM binds as it
+does for a user.
 """
 
 from __future__ import annotations
@@ -61,3 +67,10 @@ def module_turn(lock_dir: Path, alone: bool) -> Iterator[None]:
 
 def running_in_parallel() -> bool:
     return "PYTEST_XDIST_WORKER" in os.environ
+
+
+def bind_engines_to_a_core() -> None:
+    """Under ``-n``: this worker's vLLM engines (in every process it starts) on a core of their own."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(int(worker[2:]) % (os.cpu_count() or 1))

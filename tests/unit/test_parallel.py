@@ -3,6 +3,7 @@ other module's turn and is let in before the next shared taker; shared turns ove
 
 from __future__ import annotations
 
+import os
 import threading
 
 from tests import parallel
@@ -39,3 +40,21 @@ def test_shared_turns_overlap_and_an_alone_turn_waits_for_them_then_goes_first(t
     late_out.set()
     for t in threads:
         t.join(10)
+
+
+def test_each_worker_binds_its_engines_to_a_core_of_its_own_and_one_process_binds_nothing(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    parallel.bind_engines_to_a_core()
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # one process: vLLM's own choice
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    cores = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+        parallel.bind_engines_to_a_core()
+        cores.append(os.environ["VLLM_CPU_OMP_THREADS_BIND"])
+    assert cores == ["0", "1"]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a user's own choice is kept
+    parallel.bind_engines_to_a_core()
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
