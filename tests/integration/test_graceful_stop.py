@@ -1,6 +1,6 @@
 """SIGTERM to `tandem serve` in the middle of its work loses nothing (issue 50): what `docker stop`,
 a pod's deletion and a rolling update send. Two gateway processes (``gateway.processes: 2``) serve
-both tiny models; a 96-line chat batch (64 tokens a line, 16 in flight) runs and 16 streams are in flight (8 autoregressive, 8
+both tiny models; a 64-line chat batch (64 tokens a line, 16 in flight) runs and 16 streams are in flight (8 autoregressive, 8
 diffusion) when the parent gets SIGTERM:
 
 - ``/ready`` turns 503 (the Service drops the pod) and a new request gets 503 with Retry-After;
@@ -29,7 +29,7 @@ from tests.integration.stack import ENGINE_ARGS, READY_TIMEOUT_S, REPO, launch_c
 from tests.unit.gateway_server import free_port
 from tests.waiting import wait_for
 
-LINES = 96  # 16 in flight: at the signal at least 16 answered and 16 in flight, the rest pending
+LINES = 64  # 16 in flight: at the signal about 16 answered and 16 in flight, the rest pending
 LINE_TOKENS = 64
 STREAMS = {"tiny-llama": 8, "tiny-diffusiongemma": 8}
 DRAIN_S = 90
@@ -70,7 +70,7 @@ class Stream(threading.Thread):
 
     def run(self) -> None:
         client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=300)
-        max_tokens = 200 if self.model == "tiny-llama" else 128  # long enough to outlast the signal
+        max_tokens = 300 if self.model == "tiny-llama" else 192  # long enough to outlast the batch's first 16 lines
         try:
             for chunk in client.chat.completions.create(
                     model=self.model, messages=[{"role": "user", "content": f"Tell me a long story, {self.i}."}],
@@ -93,20 +93,23 @@ def test_sigterm_mid_batch_and_mid_stream_loses_nothing(tmp_path):
     streams: list[Stream] = []
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        lines = chat_lines(LINES, "tiny-llama", max_tokens=LINE_TOKENS, temperature=0, ignore_eos=True)
-        batch_id = submit(client, lines)
-        answered(client, batch_id, 16)
+        # The streams first (a diffusion stream's first text waits for its first block), then the
+        # batch: the signal follows its 16th answer at once, whatever either one's pace.
         streams = [Stream(url, model, i) for model, n in STREAMS.items() for i in range(n)]
         for s in streams:
             s.start()
         wait_for(lambda: all(s.started.is_set() for s in streams), "every stream's first text", timeout=300)
         assert not any(s.error for s in streams), [s.error for s in streams if s.error]
+        lines = chat_lines(LINES, "tiny-llama", max_tokens=LINE_TOKENS, temperature=0, ignore_eos=True)
+        batch_id = submit(client, lines)
+        answered(client, batch_id, 16)
 
         proc.send_signal(signal.SIGTERM)  # the parent alone, as `docker stop` and the kubelet send it
         t0 = time.monotonic()
         took = wait_for(lambda: httpx.get(url + "/ready", timeout=5).status_code == 503, "/ready to turn 503",
                         timeout=30, interval=0.02)
         print(f"/ready answered 503 {took:.2f} s after SIGTERM")
+        print(f"{sum(s.is_alive() for s in streams)} of {len(streams)} streams in flight at the signal")
         assert any(s.is_alive() for s in streams), "the streams ended before the drain could be seen"
         late = httpx.post(url + "/v1/chat/completions", timeout=30, json={
             "model": "tiny-llama", "max_tokens": 4, "messages": [{"role": "user", "content": "Late?"}]})
