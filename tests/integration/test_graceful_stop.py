@@ -1,6 +1,6 @@
 """SIGTERM to `tandem serve` in the middle of its work loses nothing (issue 50): what `docker stop`,
 a pod's deletion and a rolling update send. Two gateway processes (``gateway.processes: 2``) serve
-both tiny models; a 64-line chat batch (64 tokens a line, 16 in flight) runs and 16 streams are in flight (8 autoregressive, 8
+both tiny models; an 80-line chat batch (64 tokens a line, 16 in flight) runs and 16 streams are in flight (8 autoregressive, 8
 diffusion) when the parent gets SIGTERM:
 
 - ``/ready`` turns 503 (the Service drops the pod) and a new request gets 503 with Retry-After;
@@ -29,7 +29,7 @@ from tests.integration.stack import ENGINE_ARGS, READY_TIMEOUT_S, REPO, launch_c
 from tests.unit.gateway_server import free_port
 from tests.waiting import wait_for
 
-LINES = 64  # 16 in flight: at the signal about 16 answered and 16 in flight, the rest pending
+LINES = 80  # 16 in flight: at the signal 16 or more answered, 16 in flight, the rest pending
 LINE_TOKENS = 64
 STREAMS = {"tiny-llama": 8, "tiny-diffusiongemma": 8}
 DRAIN_S = 90
@@ -86,6 +86,16 @@ class Stream(threading.Thread):
             self.started.set()
 
 
+def _started(url: str, model: str) -> list[Stream]:
+    """``model``'s streams, each once its first text came."""
+    streams = [Stream(url, model, i) for i in range(STREAMS[model])]
+    for s in streams:
+        s.start()
+    wait_for(lambda: all(s.started.is_set() for s in streams), f"every {model} stream's first text", timeout=300)
+    assert not any(s.error for s in streams), [s.error for s in streams if s.error]
+    return streams
+
+
 def test_sigterm_mid_batch_and_mid_stream_loses_nothing(tmp_path):
     config = _config(tmp_path)
     proc, first = launch_config(config, tmp_path, "first.log")
@@ -93,24 +103,23 @@ def test_sigterm_mid_batch_and_mid_stream_loses_nothing(tmp_path):
     streams: list[Stream] = []
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        # The streams first (a diffusion stream's first text waits for its first block), then the
-        # batch: the signal follows its 16th answer at once, whatever either one's pace.
-        streams = [Stream(url, model, i) for model, n in STREAMS.items() for i in range(n)]
-        for s in streams:
-            s.start()
-        wait_for(lambda: all(s.started.is_set() for s in streams), "every stream's first text", timeout=300)
-        assert not any(s.error for s in streams), [s.error for s in streams if s.error]
+        # The diffusion streams first (their first text waits for a first block), then the batch's
+        # first 16 answers, then the autoregressive streams (their first text within a second): the
+        # signal follows at once, lines pending and streams of both kinds in flight, at any pace.
+        streams = _started(url, "tiny-diffusiongemma")
         lines = chat_lines(LINES, "tiny-llama", max_tokens=LINE_TOKENS, temperature=0, ignore_eos=True)
         batch_id = submit(client, lines)
         answered(client, batch_id, 16)
+        streams += _started(url, "tiny-llama")
 
         proc.send_signal(signal.SIGTERM)  # the parent alone, as `docker stop` and the kubelet send it
         t0 = time.monotonic()
         took = wait_for(lambda: httpx.get(url + "/ready", timeout=5).status_code == 503, "/ready to turn 503",
                         timeout=30, interval=0.02)
         print(f"/ready answered 503 {took:.2f} s after SIGTERM")
-        print(f"{sum(s.is_alive() for s in streams)} of {len(streams)} streams in flight at the signal")
-        assert any(s.is_alive() for s in streams), "the streams ended before the drain could be seen"
+        alive = {m: sum(s.is_alive() for s in streams if s.model == m) for m in STREAMS}
+        print(f"streams in flight at the signal: {alive}")
+        assert all(alive.values()), f"streams ended before the drain could be seen: {alive}"
         late = httpx.post(url + "/v1/chat/completions", timeout=30, json={
             "model": "tiny-llama", "max_tokens": 4, "messages": [{"role": "user", "content": "Late?"}]})
         assert late.status_code == 503 and late.headers.get("retry-after"), (late.status_code, late.text)
