@@ -51,13 +51,17 @@ serve: models
 prometheus:
 	@command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; }
 
-# One process by default. PARALLEL="-n 2 --dist loadgroup": two pytest workers (tests/parallel.py):
-# measured no faster on this 2-core box (docs/testing.md), and a lock wait counts against a test's timeout.
+# The unit tests on two workers (UNIT_WORKERS): nearly all of them run one thread (the diffusion
+# tests pin torch to one), so in one process a core sits idle. The integration tests in one
+# process: PARALLEL="-n 2 --dist loadgroup" runs them on two workers (tests/parallel.py), measured
+# no faster on this 2-core box (docs/testing.md).
+UNIT_WORKERS ?= -n 2 --dist loadgroup
 PARALLEL ?=
 
 test: models prometheus instructor
 	$(BIN)/ruff check tandem_core workers diffusion_plugin gateway tandem_tools tests deploy
-	$(BIN)/python -m pytest $(PARALLEL) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit $(UNIT_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/integration tests/gpu $(PARALLEL) $(PYTEST_ARGS)
 
 unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

@@ -33,13 +33,12 @@ def pytest_collection_modifyitems(config, items):
     parallel.group_items(config, items)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _module_turn(request, tmp_path_factory):
-    """Under ``-n``: a module marked ``alone`` runs while the other worker waits (``tests/parallel.py``)."""
-    if not parallel.running_in_parallel():
-        yield
-        return
-    alone = request.node.get_closest_marker("alone") is not None
-    with parallel.module_turn(tmp_path_factory.getbasetemp().parent / "locks", alone):
-        yield
-
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # around pytest-timeout's: a wait for a turn is no test's time
+def pytest_runtest_protocol(item, nextitem):
+    """Under ``-n``: each module holds its turn from its first test's setup to its last test's
+    teardown; a module marked ``alone`` runs while the other worker waits (``tests/parallel.py``)."""
+    if parallel.running_in_parallel():
+        parallel.TURNS.enter(item, item.config._tmp_path_factory.getbasetemp().parent / "locks")
+    yield
+    if parallel.running_in_parallel() and (nextitem is None or nextitem.module is not item.module):
+        parallel.TURNS.leave()

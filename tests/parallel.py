@@ -65,6 +65,31 @@ def module_turn(lock_dir: Path, alone: bool) -> Iterator[None]:
                 fcntl.flock(gate, fcntl.LOCK_UN)
 
 
+class Turns:
+    """This worker's current module turn (``module_turn``), taken at a module's first test and
+    given back after its last one: outside any test's timeout, so a wait for the other worker's
+    module never counts as a test's time."""
+
+    def __init__(self):
+        self.module, self.held = None, None
+
+    def enter(self, item: pytest.Item, lock_dir: Path) -> None:
+        if self.module is item.module:
+            return
+        self.leave()
+        self.held = module_turn(lock_dir, item.get_closest_marker("alone") is not None)
+        self.held.__enter__()
+        self.module = item.module
+
+    def leave(self) -> None:
+        if self.held is not None:
+            held, self.held, self.module = self.held, None, None
+            held.__exit__(None, None, None)
+
+
+TURNS = Turns()
+
+
 def running_in_parallel() -> bool:
     return "PYTEST_XDIST_WORKER" in os.environ
 
