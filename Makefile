@@ -51,11 +51,13 @@ serve: models
 prometheus:
 	@command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; }
 
-# The unit tests on two workers (UNIT_WORKERS): nearly all of them run one thread (the diffusion
-# tests pin torch to one), so in one process a core sits idle. The integration tests in one
-# process: PARALLEL="-n 2 --dist loadgroup" runs them on two workers (tests/parallel.py), measured
-# no faster on this 2-core box (docs/testing.md).
-UNIT_WORKERS ?= -n 2 --dist loadgroup
+# One process by default. UNIT_WORKERS="-n 2 --dist loadgroup" runs the unit tests on two workers
+# (nearly all of them one thread: 853 s of wall time on a fresh inductor cache), but one of two
+# fresh-clone runs failed 8 tests of test_batches.py there (a fake gateway's connection closed
+# mid-body: two workers' servers on one port is the suspect, not yet checked): not CI's default
+# until that is fixed. PARALLEL="-n 2 --dist loadgroup" does the same for the integration tests,
+# measured no faster on this 2-core box (docs/testing.md).
+UNIT_WORKERS ?=
 PARALLEL ?=
 
 test: models prometheus instructor
